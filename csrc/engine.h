@@ -1,0 +1,61 @@
+// engine.h — the stages, their workers, and one forward call's run through the schedule.
+#pragma once
+
+#include "executor.h"
+#include "microbatch.h"
+#include "stage.h"
+
+#include <gpipe/options.h>
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace gpipe::detail {
+
+class Engine;
+
+/// One forward call with a graph: what its backward needs. Held by the
+/// PipeBackward node until the graph is freed.
+struct PipeRun {
+  std::shared_ptr<Engine> engine;
+  int64_t microbatches = 0;
+  /// cells[stage][microbatch]
+  std::vector<std::vector<Cell>> cells;
+  std::vector<StageRun> stages;
+  /// Rows of each micro-batch of the input and of the output.
+  std::vector<int64_t> input_rows;
+  std::vector<int64_t> output_rows;
+  /// For each output value, the PipeBackward input slot of its grad (-1:
+  /// not differentiable, no grad).
+  std::vector<int64_t> output_slot;
+  bool output_atomic = true;
+};
+
+class Engine : public std::enable_shared_from_this<Engine> {
+ public:
+  Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c10::Device>& devices,
+         int64_t chunks, Checkpoint checkpoint);
+
+  /// Runs the forward half of the schedule. Under grad mode, when anything
+  /// requires grad, the outputs hang off one PipeBackward node that runs the
+  /// backward half. `training` selects checkpointing.
+  Batch forward(const Batch& input, bool training);
+
+  /// Runs the backward half for `run`: `grads` holds one grad per
+  /// PipeBackward input slot. Returns one grad per input value.
+  std::vector<at::Tensor> backward(PipeRun& run, const std::vector<at::Tensor>& grads,
+                                   bool keep_graph);
+
+  int64_t stages() const noexcept { return static_cast<int64_t>(stages_.size()); }
+
+ private:
+  std::vector<std::unique_ptr<Stage>> stages_;
+  Executor executor_;
+  int64_t chunks_;
+  Checkpoint checkpoint_;
+};
+
+}  // namespace gpipe::detail

@@ -1,0 +1,212 @@
+// executor.cpp — persistent per-stage workers, mailboxes between neighbours, first-error cancellation.
+#include "executor.h"
+
+#include <gpipe/error.h>
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <optional>
+
+namespace gpipe::detail {
+
+// The shared state of one `run` call. Lives on the caller's stack; workers
+// only touch it between picking up their job and reporting it done.
+struct Executor::Run {
+  const Schedule* schedule = nullptr;
+  const CellFn* cell = nullptr;
+  int64_t stages = 0;
+  int64_t microbatches = 0;
+
+  // Inbox of each stage: per phase and micro-batch, the payload handed over.
+  struct Inbox {
+    std::mutex mutex;
+    std::condition_variable arrived;
+    std::vector<std::optional<Payload>> slots[2];
+  };
+  std::vector<Inbox> inbox;
+  std::vector<Payload> sinks;
+
+  std::atomic<bool> cancelled{false};
+  std::mutex error_mutex;
+  std::exception_ptr error;
+
+  Run(const Schedule& s, const CellFn& fn)
+      : schedule(&s),
+        cell(&fn),
+        stages(static_cast<int64_t>(s.stages.size())),
+        microbatches(s.microbatches),
+        inbox(static_cast<size_t>(stages)),
+        sinks(static_cast<size_t>(s.microbatches)) {
+    for (auto& box : inbox) {
+      for (auto& phase : box.slots) phase.resize(static_cast<size_t>(microbatches));
+    }
+  }
+
+  void put(int64_t stage, Phase phase, int64_t microbatch, Payload payload) {
+    auto& box = inbox[static_cast<size_t>(stage)];
+    {
+      std::lock_guard<std::mutex> hold(box.mutex);
+      box.slots[static_cast<int>(phase)][static_cast<size_t>(microbatch)] = std::move(payload);
+    }
+    box.arrived.notify_one();
+  }
+
+  // Waits for the input of (stage, phase, microbatch); nullopt when cancelled.
+  std::optional<Payload> take(int64_t stage, Phase phase, int64_t microbatch) {
+    auto& box = inbox[static_cast<size_t>(stage)];
+    auto& slot = box.slots[static_cast<int>(phase)][static_cast<size_t>(microbatch)];
+    std::unique_lock<std::mutex> hold(box.mutex);
+    box.arrived.wait(hold, [&] { return slot.has_value() || cancelled.load(); });
+    if (!slot.has_value()) return std::nullopt;
+    std::optional<Payload> out = std::move(slot);
+    slot.reset();
+    return out;
+  }
+
+  void fail(std::exception_ptr e) {
+    {
+      std::lock_guard<std::mutex> hold(error_mutex);
+      if (!error) error = std::move(e);
+    }
+    cancelled.store(true);
+    for (auto& box : inbox) {
+      // Taking the mutex orders the flag before any waiter's next check.
+      { std::lock_guard<std::mutex> hold(box.mutex); }
+      box.arrived.notify_all();
+    }
+  }
+};
+
+struct Executor::Worker {
+  std::thread thread;
+  std::mutex mutex;
+  std::condition_variable wake;
+  std::condition_variable idle;
+  // The job: run `actions` of `stage` in `run` under `state`.
+  Run* run = nullptr;
+  const at::ThreadLocalState* state = nullptr;
+  int64_t stage = 0;
+  bool stop = false;
+};
+
+Executor::Executor(int64_t stages) {
+  TORCH_CHECK(stages >= 1, "an executor needs at least one stage, got ", stages);
+  for (int64_t j = 0; j < stages; ++j) {
+    workers_.push_back(std::make_unique<Worker>());
+  }
+  for (auto& w : workers_) {
+    Worker* worker = w.get();
+    worker->thread = std::thread([this, worker] { work(*worker); });
+  }
+}
+
+Executor::~Executor() {
+  // Workers are idle between runs (run() returns only when all are), so
+  // they see `stop` at once: joining never blocks for long.
+  for (auto& w : workers_) {
+    {
+      std::lock_guard<std::mutex> hold(w->mutex);
+      w->stop = true;
+    }
+    w->wake.notify_one();
+  }
+  for (auto& w : workers_) {
+    if (w->thread.joinable()) w->thread.join();
+  }
+}
+
+void Executor::perform(Run& run, int64_t stage, const Action& action) {
+  if (run.cancelled.load()) return;
+  const bool forward = action.phase == Phase::Forward;
+  const int64_t i = action.microbatch;
+  auto input = run.take(stage, action.phase, i);
+  if (!input || run.cancelled.load()) return;
+  const char* phase = forward ? "forward" : "backward";
+  try {
+    Payload out = (*run.cell)(stage, action, std::move(*input), phase);
+    const int64_t next = forward ? stage + 1 : stage - 1;
+    if (next < 0 || next >= run.stages) {
+      run.sinks[static_cast<size_t>(i)] = std::move(out);
+    } else {
+      run.put(next, action.phase, i, std::move(out));
+    }
+  } catch (...) {
+    run.fail(std::make_exception_ptr(CellError(stage, i, phase, std::current_exception())));
+  }
+}
+
+void Executor::work(Worker& worker) {
+  for (;;) {
+    Run* run = nullptr;
+    const at::ThreadLocalState* state = nullptr;
+    {
+      std::unique_lock<std::mutex> hold(worker.mutex);
+      worker.wake.wait(hold, [&] { return worker.stop || worker.run != nullptr; });
+      if (worker.stop) return;
+      run = worker.run;
+      state = worker.state;
+    }
+    {
+      at::ThreadLocalStateGuard guard(*state);
+      for (const auto& action : run->schedule->stages[static_cast<size_t>(worker.stage)]) {
+        if (run->cancelled.load()) break;
+        perform(*run, worker.stage, action);
+      }
+    }
+    {
+      std::lock_guard<std::mutex> hold(worker.mutex);
+      worker.run = nullptr;
+      worker.state = nullptr;
+    }
+    worker.idle.notify_one();
+  }
+}
+
+std::vector<Payload> Executor::run(const Schedule& schedule, std::vector<Payload> sources,
+                                   const CellFn& cell, const at::ThreadLocalState& state,
+                                   bool inline_run) {
+  TORCH_CHECK(static_cast<int64_t>(schedule.stages.size()) == stages(), "schedule has ",
+              schedule.stages.size(), " stages but the executor has ", stages());
+  TORCH_CHECK(static_cast<int64_t>(sources.size()) == schedule.microbatches, "got ",
+              sources.size(), " sources for ", schedule.microbatches, " micro-batches");
+  Run run(schedule, cell);
+  // Sources enter at the first stage in their direction: the input at stage
+  // 0 when the schedule runs forward cells, the output grads at the last
+  // stage for a backward-only schedule.
+  bool has_forward = false;
+  for (const auto& actions : schedule.stages) {
+    for (const auto& a : actions) has_forward = has_forward || a.phase == Phase::Forward;
+  }
+  const Phase entry_phase = has_forward ? Phase::Forward : Phase::Backward;
+  const int64_t entry = has_forward ? 0 : stages() - 1;
+  for (int64_t i = 0; i < schedule.microbatches; ++i) {
+    run.put(entry, entry_phase, i, std::move(sources[static_cast<size_t>(i)]));
+  }
+
+  if (inline_run) {
+    for (const auto& step : serialize(schedule)) {
+      if (run.cancelled.load()) break;
+      perform(run, step.stage, step.action);
+    }
+  } else {
+    for (size_t j = 0; j < workers_.size(); ++j) {
+      auto& w = *workers_[j];
+      {
+        std::lock_guard<std::mutex> hold(w.mutex);
+        w.run = &run;
+        w.state = &state;
+        w.stage = static_cast<int64_t>(j);
+      }
+      w.wake.notify_one();
+    }
+    for (auto& w : workers_) {
+      std::unique_lock<std::mutex> hold(w->mutex);
+      w->idle.wait(hold, [&] { return w->run == nullptr; });
+    }
+  }
+  if (run.error) std::rethrow_exception(run.error);
+  return std::move(run.sinks);
+}
+
+}  // namespace gpipe::detail

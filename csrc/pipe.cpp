@@ -1,0 +1,166 @@
+// pipe.cpp — PipeImpl: checks and resolves the options, adopts the layers, runs the engine.
+#include <gpipe/pipe.h>
+
+#include "engine.h"
+#include "microbatch.h"
+#include "stage.h"
+
+#include <c10/util/Exception.h>
+#include <torch/cuda.h>
+
+#include <sstream>
+#include <unordered_map>
+
+namespace gpipe {
+
+namespace {
+
+// One stage's slice of the Sequential, run like Sequential::forward runs it.
+class SequentialLayers : public detail::Layers {
+ public:
+  SequentialLayers(std::vector<torch::nn::AnyModule> modules, int64_t first_index)
+      : modules_(std::move(modules)), first_index_(first_index) {}
+
+  detail::Batch forward(const detail::Batch& input) override {
+    auto it = modules_.begin();
+    torch::nn::AnyValue value =
+        input.atomic ? it->any_forward(input[0]) : it->any_forward(input.values);
+    for (++it; it != modules_.end(); ++it) value = it->any_forward(std::move(value));
+    if (auto* t = value.try_get<torch::Tensor>()) return detail::Batch(*t);
+    if (auto* ts = value.try_get<std::vector<torch::Tensor>>()) return detail::Batch(*ts, false);
+    TORCH_CHECK(false, "layer ", first_index_ + static_cast<int64_t>(modules_.size()) - 1,
+                " ends a stage but returned a value of type ", value.type_info().name(),
+                "; a stage's last layer must return torch::Tensor or std::vector<torch::Tensor>");
+  }
+
+  bool requires_grad() const override {
+    for (const auto& m : modules_) {
+      for (const auto& p : m.ptr()->parameters()) {
+        if (p.requires_grad()) return true;
+      }
+    }
+    return false;
+  }
+
+ private:
+  std::vector<torch::nn::AnyModule> modules_;
+  int64_t first_index_;
+};
+
+template <typename T>
+std::string listed(const std::vector<T>& values) {
+  std::ostringstream s;
+  s << "{";
+  for (size_t i = 0; i < values.size(); ++i) s << (i ? ", " : "") << values[i];
+  s << "}";
+  return s.str();
+}
+
+std::vector<c10::Device> default_devices(size_t stages) {
+  if (torch::cuda::is_available()) {
+    std::vector<c10::Device> devices;
+    const auto n = static_cast<int>(torch::cuda::device_count());
+    for (int d = 0; d < n; ++d) devices.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(d));
+    return devices;
+  }
+  return std::vector<c10::Device>(stages, c10::Device(c10::kCPU));
+}
+
+}  // namespace
+
+PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
+    : sequential_(std::move(sequential)), options_(std::move(options)) {
+  TORCH_CHECK(!sequential_.is_empty(), "gpipe::Pipe needs a Sequential, got an empty holder");
+  const auto layers = static_cast<int64_t>(sequential_->size());
+  TORCH_CHECK(layers > 0, "the Sequential has no layers; give the Pipe at least one layer");
+
+  std::unordered_map<const torch::nn::Module*, int64_t> seen;
+  for (int64_t i = 0; i < layers; ++i) {
+    const auto* module = sequential_->ptr(static_cast<size_t>(i)).get();
+    auto [it, inserted] = seen.emplace(module, i);
+    TORCH_CHECK(inserted, "layer ", i, " is the same module object as layer ", it->second,
+                "; each layer of a Pipe must be its own module (its stage owns it), so use a "
+                "separate instance, e.g. a clone()");
+  }
+
+  TORCH_CHECK(options_.chunks() >= 1, "chunks must be at least 1, got ", options_.chunks(),
+              "; it is the number of micro-batches per mini-batch");
+
+  auto& balance = options_.balance();
+  TORCH_CHECK(!balance.empty(), "balance is empty; pass the number of layers of each stage, e.g. ",
+              "PipeOptions().balance({", layers, "}) for one stage");
+  int64_t total = 0;
+  for (size_t j = 0; j < balance.size(); ++j) {
+    TORCH_CHECK(balance[j] >= 1, "balance ", listed(balance), " gives stage ", j, " ", balance[j],
+                " layers; every stage needs at least 1 layer");
+    total += balance[j];
+  }
+  TORCH_CHECK(total == layers, "balance ", listed(balance), " sums to ", total,
+              " but the Sequential has ", layers, " layers; pass one entry per stage summing to ",
+              layers);
+  const size_t stages = balance.size();
+
+  if (options_.devices().empty()) options_.devices(default_devices(stages));
+  auto& devices = options_.devices();
+  TORCH_CHECK(devices.size() >= stages, "balance ", listed(balance), " asks for ", stages,
+              " stages but only ", devices.size(), " devices are given ", listed(devices),
+              "; pass at least one device per stage, or fewer stages");
+  devices.erase(devices.begin() + static_cast<std::ptrdiff_t>(stages), devices.end());
+
+  // Adopt the layers under the Sequential's own names, so parameters and
+  // state_dict keys read "0.weight" as in the Sequential.
+  for (const auto& item : sequential_->named_children()) register_module(item.key(), item.value());
+
+  std::vector<std::unique_ptr<detail::Layers>> parts;
+  int64_t offset = 0;
+  auto it = sequential_->begin();
+  for (size_t j = 0; j < stages; ++j) {
+    std::vector<torch::nn::AnyModule> modules;
+    for (int64_t n = 0; n < balance[j]; ++n, ++it) {
+      it->ptr()->to(devices[j]);
+      modules.push_back(*it);
+    }
+    parts.push_back(std::make_unique<SequentialLayers>(std::move(modules), offset));
+    offset += balance[j];
+  }
+  engine_ = std::make_shared<detail::Engine>(std::move(parts), devices, options_.chunks(),
+                                             options_.checkpoint());
+}
+
+PipeImpl::~PipeImpl() = default;
+
+torch::Tensor PipeImpl::forward(const torch::Tensor& input) {
+  auto out = engine_->forward(detail::Batch(input), is_training());
+  TORCH_CHECK(out.atomic && out.size() == 1, "the Pipe's last layer returned ", out.size(),
+              " tensors; call forward(std::vector<torch::Tensor>) to get them all");
+  return out[0];
+}
+
+std::vector<torch::Tensor> PipeImpl::forward(std::vector<torch::Tensor> inputs) {
+  return engine_->forward(detail::Batch(std::move(inputs), /*is_atomic=*/false), is_training())
+      .values;
+}
+
+size_t PipeImpl::size() const noexcept { return sequential_->size(); }
+
+std::shared_ptr<torch::nn::Module> PipeImpl::ptr(size_t index) const {
+  TORCH_CHECK(index < size(), "index ", index, " is out of range for a Pipe of ", size(), " layers");
+  return sequential_->ptr(index);
+}
+
+void PipeImpl::to(torch::Device device, torch::Dtype /*dtype*/, bool /*non_blocking*/) {
+  to(device);
+}
+
+void PipeImpl::to(torch::Device device, bool /*non_blocking*/) {
+  TORCH_CHECK(false, "a Pipe keeps each stage on its own device ", listed(devices()),
+              " and cannot be moved as a whole to ", device,
+              "; choose devices with PipeOptions().devices(...), or cast with to(dtype)");
+}
+
+void PipeImpl::pretty_print(std::ostream& stream) const {
+  stream << "gpipe::Pipe(balance=" << listed(balance()) << ", devices=" << listed(devices())
+         << ", chunks=" << chunks() << ", checkpoint=" << checkpoint() << ")";
+}
+
+}  // namespace gpipe

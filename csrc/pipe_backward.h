@@ -1,0 +1,32 @@
+// pipe_backward.h — the autograd node that lets loss.backward() drive the backward half of the schedule.
+//
+//   x ──> [forward half: all F(i) on the workers] ──> y (grad_fn = PipeBackward)
+//   loss.backward():  ... ──> PipeBackward::apply(dy) ──> [all B(i)] ──> dx
+//
+// Each cell's stage-local graph lives outside the outer graph; the node is
+// the only link between them. It has one edge per input tensor (empty where
+// the input needs no grad) and is the grad_fn of every differentiable output.
+#pragma once
+
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <string>
+
+namespace gpipe::detail {
+
+struct PipeRun;
+
+class PipeBackward : public torch::autograd::Node {
+ public:
+  explicit PipeBackward(std::shared_ptr<PipeRun> run);
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
+  std::string name() const override { return "gpipe::PipeBackward"; }
+  void release_variables() override;
+
+ private:
+  std::shared_ptr<PipeRun> run_;
+};
+
+}  // namespace gpipe::detail

@@ -1,0 +1,35 @@
+// rng.h — saving and replaying the default generators a checkpointed cell draws from.
+//
+// RNG rule (DESIGN.md): stages sharing a generator (every CPU stage; several
+// stages on one GPU) draw from it concurrently. A checkpointed cell's forward
+// and its recompute therefore hold `lock_for(generator)` exclusively, so no
+// other cell draws between the snapshot and the cell's own draws; any other
+// cell that may draw holds it shared. We never hold the generator's own mutex
+// across a cell: the random ops take that one themselves.
+#pragma once
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <shared_mutex>
+#include <vector>
+
+namespace gpipe::detail {
+
+/// The default generators a stage on `device` may draw from: the CPU's, then
+/// (for an accelerator) the device's own. Always in this order, which is
+/// also the locking order.
+std::vector<at::Generator> generators_for(c10::Device device);
+
+/// The process-wide lock of `generator` (one per generator, never destroyed).
+std::shared_mutex& lock_for(const at::Generator& generator);
+
+/// The generator's state, read under its own mutex.
+at::Tensor get_state(const at::Generator& generator);
+/// Sets the generator's state under its own mutex.
+void set_state(at::Generator& generator, const at::Tensor& state);
+/// Whether two states from `get_state` are byte for byte equal.
+bool same_state(const at::Tensor& a, const at::Tensor& b);
+
+}  // namespace gpipe::detail

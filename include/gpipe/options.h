@@ -1,0 +1,48 @@
+// options.h — how a Pipe cuts a model and a batch: balance, devices, chunks, checkpoint.
+#pragma once
+
+#include <c10/core/Device.h>
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace gpipe {
+
+/// Which micro-batches keep only their stage-boundary input in forward and
+/// recompute the rest just before their backward.
+enum class Checkpoint {
+  /// Every micro-batch: least memory, one extra forward per cell.
+  Always,
+  /// Every micro-batch but the last, whose backward runs first anyway.
+  ExceptLast,
+  /// None: every cell keeps its autograd graph (fastest, most memory).
+  Never,
+};
+
+/// "always", "except_last" or "never".
+std::string to_string(Checkpoint checkpoint);
+std::ostream& operator<<(std::ostream& stream, Checkpoint checkpoint);
+
+/// Options for `gpipe::Pipe`.
+///
+/// Example:
+/// ```
+/// gpipe::Pipe pipe(model, gpipe::PipeOptions().balance({2, 2}).chunks(8));
+/// ```
+struct PipeOptions {
+  /// Layers per stage, in order; one entry per stage, each at least 1.
+  /// Must sum to the number of layers in the Sequential.
+  TORCH_ARG(std::vector<int64_t>, balance) = {};
+  /// One device per stage (extra ones are ignored). Empty: the available CUDA
+  /// devices in order, or the CPU for every stage when there is no CUDA.
+  TORCH_ARG(std::vector<c10::Device>, devices) = {};
+  /// Micro-batches per mini-batch. At least 1.
+  TORCH_ARG(int64_t, chunks) = 1;
+  /// Which micro-batches are checkpointed in training.
+  TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::ExceptLast;
+};
+
+}  // namespace gpipe

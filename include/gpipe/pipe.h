@@ -1,0 +1,102 @@
+// pipe.h — gpipe::Pipe, the module that trains a Sequential as a GPipe pipeline.
+#pragma once
+
+#include <gpipe/options.h>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace gpipe {
+
+namespace detail {
+class Engine;
+}  // namespace detail
+
+/// Runs a `torch::nn::Sequential` as a pipeline: its layers are cut into
+/// consecutive stages (see `PipeOptions::balance`), one per device, and each
+/// mini-batch into `chunks` micro-batches that flow through the stages on one
+/// worker thread per stage. Outputs and gradients equal the Sequential's.
+///
+/// See `PipeOptions` for the options. The Pipe takes the Sequential's layers
+/// as its own children under the Sequential's names ("0", "1", ...), moves
+/// each to its stage's device, and drops into an unchanged training loop:
+///
+/// Example:
+/// ```
+/// torch::nn::Sequential model(torch::nn::Linear(8, 32), torch::nn::ReLU(),
+///                             torch::nn::Linear(32, 1));
+/// gpipe::Pipe pipe(model, gpipe::PipeOptions().balance({2, 1}).chunks(4));
+/// torch::optim::SGD sgd(pipe->parameters(), 0.1);
+/// auto loss = torch::mse_loss(pipe->forward(x), y);
+/// sgd.zero_grad();
+/// loss.backward();  // runs the backward half of the schedule
+/// sgd.step();
+/// ```
+///
+/// In training with grad mode on, micro-batches selected by
+/// `PipeOptions::checkpoint` keep only their stage inputs and are recomputed
+/// just before their backward, replaying the same random numbers. Under
+/// `torch::NoGradGuard` no graph is kept; in `eval()` mode nothing is
+/// checkpointed.
+class PipeImpl : public torch::nn::Module {
+ public:
+  PipeImpl(torch::nn::Sequential sequential, PipeOptions options);
+  ~PipeImpl() override;
+
+  /// Runs `input` through the pipeline; the result lives on the last stage's
+  /// device. The last layer must return one tensor.
+  torch::Tensor forward(const torch::Tensor& input);
+  /// Several tensors flowing between stages: the first layer receives
+  /// `std::vector<torch::Tensor>`, and each stage's last layer returns a
+  /// `torch::Tensor` or a `std::vector<torch::Tensor>`. All inputs share the
+  /// batch dimension (dim 0), which is cut into micro-batches.
+  std::vector<torch::Tensor> forward(std::vector<torch::Tensor> inputs);
+
+  /// Number of layers.
+  size_t size() const noexcept;
+  /// The layer at `index`, like `Sequential::ptr`.
+  std::shared_ptr<torch::nn::Module> ptr(size_t index) const;
+  /// The layer at `index`, like `Sequential::operator[]`.
+  std::shared_ptr<torch::nn::Module> operator[](size_t index) const { return ptr(index); }
+  /// The layer at `index` as its concrete type, like `Sequential::at`.
+  template <typename T>
+  T& at(size_t index) {
+    return sequential_->at<T>(index);
+  }
+  /// The wrapped Sequential (its layers now live on the stages' devices).
+  const torch::nn::Sequential& sequential() const noexcept { return sequential_; }
+
+  /// Layers per stage.
+  const std::vector<int64_t>& balance() const noexcept { return options_.balance(); }
+  /// One device per stage.
+  const std::vector<c10::Device>& devices() const noexcept { return options_.devices(); }
+  /// Micro-batches per mini-batch.
+  int64_t chunks() const noexcept { return options_.chunks(); }
+  /// Which micro-batches are checkpointed in training.
+  Checkpoint checkpoint() const noexcept { return options_.checkpoint(); }
+  /// The resolved options (balance and devices filled in).
+  const PipeOptions& options() const noexcept { return options_; }
+
+  /// Devices belong to the Pipe: moving it as a whole is refused. Casting
+  /// (`to(torch::kFloat64)`) is fine.
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
+  using torch::nn::Module::to;
+
+  void pretty_print(std::ostream& stream) const override;
+
+ private:
+  torch::nn::Sequential sequential_;
+  PipeOptions options_;
+  std::shared_ptr<detail::Engine> engine_;
+};
+
+/// A `ModuleHolder` for `PipeImpl`. See `PipeImpl` and `PipeOptions`.
+TORCH_MODULE(Pipe);
+
+}  // namespace gpipe
