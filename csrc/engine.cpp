@@ -75,6 +75,19 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
   }
 }
 
+std::vector<Payload> Engine::execute(const Schedule& schedule, std::vector<Payload> sources,
+                                     const CellFn& cell, bool inline_run) {
+  // Workers run with the caller's thread-local state: grad mode, inference
+  // mode, autocast and the rest.
+  const at::ThreadLocalState state;
+  try {
+    return executor_.run(schedule, std::move(sources), cell, state, inline_run);
+  } catch (const CellError& e) {
+    if (error_hook_) error_hook_(e);
+    throw;
+  }
+}
+
 Batch Engine::forward(const Batch& input, bool training) {
   std::vector<Batch> microbatches = scatter(input, chunks_);
   const auto m = static_cast<int64_t>(microbatches.size());
@@ -117,9 +130,7 @@ Batch Engine::forward(const Batch& input, bool training) {
                             r.stages[static_cast<size_t>(j)], x, i < stop);
     return Payload{std::move(y), mark(stage.lane().compute)};
   };
-  const at::ThreadLocalState state;
-  auto sinks = executor_.run(gpipe_forward(k, m), std::move(sources), cell, state,
-                             /*inline_run=*/false);
+  auto sinks = execute(gpipe_forward(k, m), std::move(sources), cell, /*inline_run=*/false);
 
   std::vector<Batch> outputs;
   outputs.reserve(sinks.size());
@@ -198,9 +209,7 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
   for (const auto& g : grads) {
     if (g.defined() && !g.device().is_cpu()) on_device_thread = true;
   }
-  const at::ThreadLocalState state;
-  auto sinks = executor_.run(gpipe_backward(k, m), std::move(sources), cell, state,
-                             /*inline_run=*/on_device_thread);
+  auto sinks = execute(gpipe_backward(k, m), std::move(sources), cell, on_device_thread);
 
   std::vector<Batch> parts;
   parts.reserve(sinks.size());

@@ -5,11 +5,13 @@
 #include "microbatch.h"
 #include "stage.h"
 
+#include <gpipe/error.h>
 #include <gpipe/options.h>
 
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -51,11 +53,21 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   int64_t stages() const noexcept { return static_cast<int64_t>(stages_.size()); }
 
+  /// Called with a failed run's error before it is thrown; may throw
+  /// something else instead (the Python bindings raise the layer's own
+  /// Python exception). Set before the first run.
+  using ErrorHook = std::function<void(const CellError&)>;
+  void set_error_hook(ErrorHook hook) { error_hook_ = std::move(hook); }
+
  private:
+  std::vector<Payload> execute(const Schedule& schedule, std::vector<Payload> sources,
+                               const CellFn& cell, bool inline_run);
+
   std::vector<std::unique_ptr<Stage>> stages_;
   Executor executor_;
   int64_t chunks_;
   Checkpoint checkpoint_;
+  ErrorHook error_hook_;
 };
 
 }  // namespace gpipe::detail

@@ -1,0 +1,109 @@
+// module.cpp — gpipe._C: the engine for Python layers, and the phase flags. Thin: logic lives in csrc/.
+#include "../engine.h"
+#include "py_layers.h"
+
+#include <gpipe/error.h>
+#include <gpipe/phase.h>
+
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <string>
+
+namespace py = pybind11;
+
+namespace gpipe::python {
+
+namespace {
+
+gpipe::Checkpoint parse_checkpoint(const std::string& mode) {
+  if (mode == "always") return gpipe::Checkpoint::Always;
+  if (mode == "except_last") return gpipe::Checkpoint::ExceptLast;
+  if (mode == "never") return gpipe::Checkpoint::Never;
+  throw py::value_error("checkpoint is not one of 'always', 'except_last', or 'never', got '" +
+                        mode + "'");
+}
+
+// A layer's Python exception goes back to Python as itself (same type, same
+// object), with a note saying where it happened. Other errors stay
+// CellErrors (RuntimeError in Python).
+void reraise_python(const gpipe::CellError& error) {
+  py::gil_scoped_acquire gil;
+  const std::string where = "gpipe: raised in stage " + std::to_string(error.stage()) +
+                            ", micro-batch " + std::to_string(error.microbatch()) + ", " +
+                            error.phase();
+  auto add_note = [&](py::handle value) {
+    if (value && py::hasattr(value, "add_note")) value.attr("add_note")(where);
+  };
+  try {
+    std::rethrow_exception(error.original());
+  } catch (py::error_already_set& e) {
+    add_note(e.value());
+    throw;
+  } catch (python_error& e) {
+    // Raised by a Python autograd Function inside a stage's backward.
+    add_note(e.value);
+    Py_XINCREF(e.type);
+    Py_XINCREF(e.value);
+    Py_XINCREF(e.traceback);
+    PyErr_Restore(e.type, e.value, e.traceback);
+    throw py::error_already_set();
+  } catch (...) {
+  }
+}
+
+class PyEngine {
+ public:
+  PyEngine(const py::list& partitions, const std::vector<c10::Device>& devices, int64_t chunks,
+           const std::string& checkpoint) {
+    std::vector<std::unique_ptr<detail::Layers>> stages;
+    for (size_t j = 0; j < partitions.size(); ++j) {
+      stages.push_back(std::make_unique<PyLayers>(
+          py::reinterpret_borrow<py::list>(partitions[j]), static_cast<int64_t>(j)));
+    }
+    TORCH_CHECK(!stages.empty(), "a Pipe needs at least one stage");
+    TORCH_CHECK(devices.size() >= stages.size(), "got ", devices.size(), " devices for ",
+                stages.size(), " stages");
+    TORCH_CHECK(chunks >= 1, "chunks must be at least 1, got ", chunks);
+    engine_ = std::make_shared<detail::Engine>(std::move(stages), devices, chunks,
+                                               parse_checkpoint(checkpoint));
+    engine_->set_error_hook(reraise_python);
+  }
+
+  py::object forward(py::handle input, bool training) {
+    detail::Batch batch = to_batch(input, "input");
+    detail::Batch out;
+    {
+      py::gil_scoped_release no_gil;  // the workers take it to call the layers
+      out = engine_->forward(batch, training);
+    }
+    return to_python(out);
+  }
+
+ private:
+  std::shared_ptr<detail::Engine> engine_;
+};
+
+}  // namespace
+
+}  // namespace gpipe::python
+
+PYBIND11_MODULE(_C, m) {
+  using gpipe::python::PyEngine;
+  m.doc() = "gpipe's C++ engine (private: use gpipe.Pipe).";
+
+  py::class_<PyEngine>(m, "Engine", "Runs stages of Python modules as a GPipe pipeline.")
+      .def(py::init<const py::list&, const std::vector<c10::Device>&, int64_t,
+                    const std::string&>(),
+           py::arg("partitions"), py::arg("devices"), py::arg("chunks"), py::arg("checkpoint"),
+           R"doc(partitions: one list of modules per stage; devices: one per stage;
+chunks: micro-batches per mini-batch; checkpoint: 'always', 'except_last' or 'never'.)doc")
+      .def("forward", &PyEngine::forward, py::arg("input"), py::arg("training"),
+           R"doc(Runs a tensor or a tuple of tensors through the pipeline; under grad mode
+the outputs' grad_fn runs the backward half when backward() reaches it.)doc");
+
+  m.def("is_checkpointing", &gpipe::is_checkpointing,
+        R"doc(True inside the first forward of a checkpointed micro-batch (no graph kept).)doc");
+  m.def("is_recomputing", &gpipe::is_recomputing,
+        R"doc(True inside the recompute of a checkpointed micro-batch, just before its backward.)doc");
+}

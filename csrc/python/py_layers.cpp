@@ -1,0 +1,81 @@
+// py_layers.cpp — calling a stage's Python modules, converting tensors and tuples both ways.
+#include "py_layers.h"
+
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <string>
+
+namespace py = pybind11;
+
+namespace gpipe::python {
+
+namespace {
+
+[[noreturn]] void raise_type_error(const std::string& message) {
+  PyErr_SetString(PyExc_TypeError, message.c_str());
+  throw py::error_already_set();
+}
+
+}  // namespace
+
+detail::Batch to_batch(py::handle value, const char* what) {
+  if (THPVariable_Check(value.ptr())) return detail::Batch(THPVariable_Unpack(value.ptr()));
+  if (py::isinstance<py::tuple>(value)) {
+    auto tuple = py::reinterpret_borrow<py::tuple>(value);
+    std::vector<at::Tensor> tensors;
+    tensors.reserve(tuple.size());
+    for (size_t i = 0; i < tuple.size(); ++i) {
+      if (!THPVariable_Check(tuple[i].ptr())) {
+        raise_type_error(std::string("expected Tensor or Tuple[Tensor, ...] as ") + what +
+                         ", but element " + std::to_string(i) + " of the tuple is " +
+                         std::string(py::str(py::type::of(tuple[i]).attr("__name__"))));
+      }
+      tensors.push_back(THPVariable_Unpack(tuple[i].ptr()));
+    }
+    return detail::Batch(std::move(tensors), /*is_atomic=*/false);
+  }
+  raise_type_error(std::string("expected Tensor or Tuple[Tensor, ...] as ") + what + ", but got " +
+                   std::string(py::str(py::type::of(value).attr("__name__"))));
+}
+
+py::object to_python(const detail::Batch& batch) {
+  if (batch.atomic) return py::reinterpret_steal<py::object>(THPVariable_Wrap(batch[0]));
+  py::tuple out(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    out[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(batch[i]));
+  }
+  return std::move(out);
+}
+
+PyLayers::PyLayers(py::list layers, int64_t stage) : layers_(std::move(layers)), stage_(stage) {}
+
+PyLayers::~PyLayers() {
+  // The last owner may be an autograd thread without the GIL.
+  if (!Py_IsInitialized()) {
+    (void)layers_.release();  // the interpreter is gone; leak rather than crash
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  layers_ = py::list();
+}
+
+detail::Batch PyLayers::forward(const detail::Batch& input) {
+  py::gil_scoped_acquire gil;
+  py::object x = to_python(input);
+  for (auto layer : layers_) x = layer(x);
+  const std::string what = "the output of stage " + std::to_string(stage_);
+  return to_batch(x, what.c_str());
+}
+
+bool PyLayers::requires_grad() const {
+  py::gil_scoped_acquire gil;
+  for (auto layer : layers_) {
+    for (auto p : layer.attr("parameters")()) {
+      if (p.attr("requires_grad").cast<bool>()) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace gpipe::python

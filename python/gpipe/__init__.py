@@ -1,0 +1,14 @@
+"""gpipe: GPipe pipeline parallelism on a C++ engine, for LibTorch and PyTorch.
+
+Wrap an ``nn.Sequential`` in :class:`gpipe.Pipe` (also exported as
+``gpipe.GPipe``, with torchgpipe's arguments) to run it as a pipeline of
+stages over devices and micro-batches, with the same outputs and gradients
+as the plain model.
+"""
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from gpipe._C import is_checkpointing, is_recomputing
+from gpipe.pipe import GPipe, Pipe
+
+__all__ = ["Pipe", "GPipe", "is_checkpointing", "is_recomputing"]
+__version__ = "0.1.0"

@@ -1,0 +1,108 @@
+"""Batch norm whose running statistics cover a whole mini-batch, not each micro-batch."""
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from gpipe._C import is_recomputing
+
+__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm"]
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """A BatchNorm that normalises each micro-batch by its own statistics
+    (as plain BatchNorm does with a smaller batch) but updates the running
+    mean and (unbiased) running variance once per mini-batch, from the
+    statistics of all its micro-batches together. A recompute does not count
+    twice. The Pipe tells it how many micro-batches each mini-batch has.
+    """
+
+    microbatches: int
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 affine: bool = True) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
+        self.microbatches = 1
+        self._reset_sums()
+
+    def begin(self, microbatches: int) -> None:
+        """Starts a mini-batch of ``microbatches`` micro-batches (the Pipe calls this)."""
+        self.microbatches = microbatches
+        self._reset_sums()
+
+    def _reset_sums(self) -> None:
+        self._sum: Optional[torch.Tensor] = None
+        self._sum_sq: Optional[torch.Tensor] = None
+        self._count = 0
+        self._seen = 0
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() <= 1:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        if not self.training:
+            return super().forward(input)
+        if not is_recomputing():
+            self._track(input)
+        # Normalise by this micro-batch's own statistics, leaving the running
+        # statistics alone (they are committed once per mini-batch).
+        return nn.functional.batch_norm(input, None, None, self.weight, self.bias, True, 0.0,
+                                        self.eps)
+
+    @torch.no_grad()
+    def _track(self, input: torch.Tensor) -> None:
+        dims = [0] + list(range(2, input.dim()))
+        x = input.detach()
+        s = x.sum(dims)
+        sq = (x * x).sum(dims)
+        self._sum = s if self._sum is None else self._sum + s
+        self._sum_sq = sq if self._sum_sq is None else self._sum_sq + sq
+        self._count += x.numel() // x.size(1)
+        self._seen += 1
+        if self._seen >= self.microbatches:
+            self._commit()
+
+    def _commit(self) -> None:
+        assert self._sum is not None and self._sum_sq is not None
+        n = self._count
+        mean = self._sum / n
+        var = (self._sum_sq / n - mean * mean).clamp_min(0)
+        unbiased = var * (n / max(n - 1, 1))
+        self.num_batches_tracked += 1
+        if self.momentum is None:
+            factor = 1.0 / float(self.num_batches_tracked)
+        else:
+            factor = self.momentum
+        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+        self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+        self._reset_sums()
+
+    @classmethod
+    def convert(cls, module: nn.Module, microbatches: int = 1) -> nn.Module:
+        """Returns ``module`` with every BatchNorm (1d, 2d, 3d) replaced by a
+        DeferredBatchNorm holding the same parameters and buffers."""
+        if isinstance(module, _BatchNorm) and module.track_running_stats and \
+                not isinstance(module, DeferredBatchNorm):
+            new = cls(module.num_features, module.eps, module.momentum, module.affine)
+            if module.affine:
+                new.register_parameter("weight", module.weight)
+                new.register_parameter("bias", module.bias)
+            new.register_buffer("running_mean", module.running_mean)
+            new.register_buffer("running_var", module.running_var)
+            new.register_buffer("num_batches_tracked", module.num_batches_tracked)
+            new.microbatches = microbatches
+            new.train(module.training)
+            return new
+        for name, child in module.named_children():
+            converted = cls.convert(child, microbatches)
+            if converted is not child:
+                setattr(module, name, converted)
+        return module
+
+
+def convert_deferred_batch_norm(module: nn.Module, microbatches: int = 1) -> nn.Module:
+    """Replaces every BatchNorm in ``module`` by a :class:`DeferredBatchNorm`."""
+    return DeferredBatchNorm.convert(module, microbatches)
