@@ -2,6 +2,7 @@
 #include "schedule.h"
 
 #include <algorithm>
+#include <ostream>
 #include <stdexcept>
 #include <string>
 
@@ -130,17 +131,20 @@ std::vector<Step> serialize(const Schedule& schedule) {
   return steps;
 }
 
+std::ostream& operator<<(std::ostream& out, const Action& action) {
+  return out << (action.phase == Phase::Forward ? 'F' : 'B') << action.microbatch;
+}
+
 std::string render(const Schedule& schedule) {
   const auto ticks = simulate(schedule);
-  int64_t width = 0;
-  for (const auto& row : ticks) {
-    for (int64_t t : row) width = std::max(width, t + 1);
-  }
   const std::string empty_cell =
       std::string(std::to_string(std::max<int64_t>(schedule.microbatches - 1, 0)).size() + 1, '.');
   std::string out;
   for (size_t j = 0; j < schedule.stages.size(); ++j) {
-    std::vector<std::string> cells(static_cast<size_t>(width), empty_cell);
+    // A row ends at its stage's last action: no trailing empty cells.
+    int64_t row_width = 0;
+    for (int64_t t : ticks[j]) row_width = std::max(row_width, t + 1);
+    std::vector<std::string> cells(static_cast<size_t>(row_width), empty_cell);
     for (size_t k = 0; k < schedule.stages[j].size(); ++k) {
       const Action a = schedule.stages[j][k];
       std::string cell = (a.phase == Phase::Forward ? "F" : "B") + std::to_string(a.microbatch);

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,9 @@ struct Action {
 
   bool operator==(const Action& other) const = default;
 };
+
+/// "F3", "B0": how pictures, logs and test failures spell an action.
+std::ostream& operator<<(std::ostream& out, const Action& action);
 
 struct Schedule {
   /// stages[j]: the actions of stage j in the order they run.
