@@ -57,7 +57,9 @@ PyLayers::~PyLayers() {
     return;
   }
   py::gil_scoped_acquire gil;
-  layers_ = py::list();
+  // Drop the reference here, under the GIL; layers_ is left empty, so its own
+  // destructor (which runs after this scope) touches no Python object.
+  layers_.release().dec_ref();
 }
 
 detail::Batch PyLayers::forward(const detail::Batch& input) {
