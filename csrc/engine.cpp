@@ -109,6 +109,7 @@ Batch Engine::forward(const Batch& input, bool training) {
   run->cells.assign(static_cast<size_t>(k), std::vector<Cell>(static_cast<size_t>(m)));
   run->stages.resize(static_cast<size_t>(k));
   run->input_rows = rows_of(microbatches);
+  run->forward_state.emplace();
   const int64_t stop = graph && training ? checkpointed_microbatches(checkpoint_, m) : 0;
   for (auto& s : run->stages) s.any_checkpoint = stop > 0;
 
@@ -192,7 +193,7 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     Batch dy = receive(std::move(in), stage.lane());
     Batch dx = stage.backward(
         run.cells[static_cast<size_t>(j)][static_cast<size_t>(action.microbatch)], dy, keep_graph,
-        phase);
+        *run.forward_state, phase);
     return Payload{std::move(dx), mark(stage.lane().compute)};
   };
 

@@ -8,11 +8,13 @@
 #include <gpipe/error.h>
 #include <gpipe/options.h>
 
+#include <ATen/ThreadLocalState.h>
 #include <c10/core/Device.h>
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace gpipe::detail {
@@ -34,6 +36,9 @@ struct PipeRun {
   /// not differentiable, no grad).
   std::vector<int64_t> output_slot;
   bool output_atomic = true;
+  /// The caller's thread-local state (autocast and the rest) at forward
+  /// time: recomputes run under it, as the first forward did.
+  std::optional<at::ThreadLocalState> forward_state;
 };
 
 class Engine : public std::enable_shared_from_this<Engine> {

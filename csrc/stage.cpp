@@ -204,7 +204,7 @@ Batch Stage::forward(Cell& cell, StageRun& run, const Batch& input, bool checkpo
   return leave(out, std::vector<bool>(out.size(), any));
 }
 
-void Stage::recompute(Cell& cell) {
+void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
   RngLocks locks;
   std::vector<at::Tensor> live(generators_.size());
   for (size_t g = 0; g < generators_.size(); ++g) {
@@ -226,6 +226,7 @@ void Stage::recompute(Cell& cell) {
 
   // A layer that works in place would spoil the saved input for a second
   // backward (retain_graph): give it a copy.
+  at::ThreadLocalStateGuard first_forward(forward_state);
   at::AutoGradMode grad(true);  // backward runs with grad mode off
   const Batch& source = cell.saved;
   auto entry = enter(mutates_input_.load() == kMutates ? cloned(source) : source,
@@ -235,10 +236,11 @@ void Stage::recompute(Cell& cell) {
   cell.leaves = std::move(entry.leaves);
 }
 
-Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph, const char*& phase) {
+Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
+                      const at::ThreadLocalState& forward_state, const char*& phase) {
   if (cell.checkpointed) {
     phase = "recompute";
-    recompute(cell);
+    recompute(cell, forward_state);
     phase = "backward";
   }
   TORCH_CHECK(grads.size() == cell.outputs.size(), "stage ", index_, " produced ",

@@ -4,6 +4,7 @@
 #include "microbatch.h"
 #include "streams.h"
 
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/Generator.h>
 #include <c10/core/Device.h>
 
@@ -77,10 +78,13 @@ class Stage {
   /// to "recompute" meanwhile), then back-propagates `grads` (one per output,
   /// undefined where none) through the stage and returns the grads of the
   /// cell's inputs. `keep_graph` keeps the cell usable for another backward.
-  Batch backward(Cell& cell, const Batch& grads, bool keep_graph, const char*& phase);
+  /// A recompute runs under `forward_state`, the thread-local state (autocast
+  /// included) of the cell's first forward, with grad mode on.
+  Batch backward(Cell& cell, const Batch& grads, bool keep_graph,
+                 const at::ThreadLocalState& forward_state, const char*& phase);
 
  private:
-  void recompute(Cell& cell);
+  void recompute(Cell& cell, const at::ThreadLocalState& forward_state);
 
   int64_t index_;
   std::unique_ptr<Layers> layers_;
