@@ -1,0 +1,147 @@
+// test_pipe_rng.cpp — checkpointing is exact: recompute replays the random numbers of the cell's first forward.
+#include "models.h"
+
+#include <gpipe/gpipe.h>
+
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+using gpipe::Checkpoint;
+using gpipe::PipeOptions;
+using gpipe_test::check_param_grads;
+using gpipe_test::deep_copy;
+using gpipe_test::kTolerance;
+using gpipe_test::max_abs_diff;
+using gpipe_test::randn64;
+
+namespace {
+
+// Dropout(0.5) layers (and identities) on ones: out = x * prod(mask_d / 0.5),
+// and d out.sum() / dx is that same product, provided backward sees the
+// masks the forward drew. Every element is 0 or 2^dropouts, in both.
+struct Layout {
+  const char* name;
+  int dropouts;
+  std::vector<int64_t> balance;
+};
+
+torch::nn::Sequential dropouts_model(const Layout& layout) {
+  using namespace torch::nn;
+  if (layout.dropouts == 2) return Sequential(Dropout(0.5), Dropout(0.5));
+  return Sequential(Dropout(0.5), Identity(), Dropout(0.5), Dropout(0.5));
+}
+
+void check_recompute_exact(Checkpoint mode) {
+  const auto layout = GENERATE(Layout{"two stages, one dropout each", 2, {1, 1}},
+                               Layout{"three stages, three dropouts", 3, {2, 1, 1}});
+  CAPTURE(mode, layout.name);
+  gpipe::Pipe pipe(dropouts_model(layout),
+                   PipeOptions().balance(layout.balance).chunks(4).checkpoint(mode));
+  const double kept = std::pow(2.0, layout.dropouts);
+
+  int64_t zeros = 0;
+  int64_t nonzeros = 0;
+  for (int iteration = 0; iteration < 200; ++iteration) {
+    auto x = torch::ones({8, 16}, torch::kFloat64).requires_grad_(true);
+    auto out = pipe->forward(x);
+    out.sum().backward();
+    REQUIRE(x.grad().defined());
+    // Exact, elementwise: the masks are replayed, not redrawn.
+    if (!torch::equal(x.grad(), out.detach())) {
+      FAIL_CHECK("iteration " << iteration << ": input grad differs from output in "
+                              << (x.grad() != out).sum().item<int64_t>() << " of "
+                              << out.numel() << " elements");
+    }
+    REQUIRE(((out == 0) | (out == kept)).all().item<bool>());
+    zeros += (out == 0).sum().item<int64_t>();
+    nonzeros += (out == kept).sum().item<int64_t>();
+  }
+  // The dropouts really drop and really keep (the check above could not
+  // fail otherwise).
+  CHECK(zeros > 0);
+  CHECK(nonzeros > 0);
+}
+
+}  // namespace
+
+TEST_CASE("rng: recompute replays dropout masks exactly, checkpoint always", "[rng]") {
+  check_recompute_exact(Checkpoint::Always);
+}
+
+TEST_CASE("rng: recompute replays dropout masks exactly, checkpoint except_last", "[rng]") {
+  check_recompute_exact(Checkpoint::ExceptLast);
+}
+
+TEST_CASE("rng: one micro-batch draws what the Sequential draws", "[rng]") {
+  // With one micro-batch the stages run one after the other, so the Pipe
+  // draws its dropout masks in the Sequential's order: from the same seed
+  // it must give the same output and grads, and must leave the generator
+  // where the Sequential leaves it (recompute puts the live state back).
+  const auto mode = GENERATE(Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never);
+  const auto balance = GENERATE(std::vector<int64_t>{5}, std::vector<int64_t>{2, 2, 1});
+  CAPTURE(mode, balance);
+  torch::manual_seed(11);
+  using namespace torch::nn;
+  Sequential model(Linear(6, 8), Dropout(0.5), Linear(8, 8), Dropout(0.3), Linear(8, 2));
+  model->to(torch::kFloat64);
+  auto ref = deep_copy(model);
+  gpipe::Pipe pipe(model, PipeOptions().balance(balance).chunks(1).checkpoint(mode));
+  const auto x = randn64({5, 6});
+
+  auto x_ref = x.clone().requires_grad_(true);
+  torch::manual_seed(5);
+  auto out_ref = ref->forward(x_ref);
+  out_ref.pow(2).sum().backward();
+  const auto next_ref = torch::rand({8}, torch::kFloat64);
+
+  auto x_pipe = x.clone().requires_grad_(true);
+  torch::manual_seed(5);
+  auto out_pipe = pipe->forward(x_pipe);
+  out_pipe.pow(2).sum().backward();
+  const auto next_pipe = torch::rand({8}, torch::kFloat64);
+
+  CHECK(max_abs_diff(out_pipe, out_ref) <= kTolerance);
+  CHECK(max_abs_diff(x_pipe.grad(), x_ref.grad()) <= kTolerance);
+  check_param_grads(*pipe, *ref);
+  CHECK(torch::equal(next_pipe, next_ref));
+}
+
+TEST_CASE("rng: checkpoint modes agree when a single stage draws", "[rng]") {
+  // Only stage 1 draws, so its masks come in micro-batch order whatever the
+  // other stages do: from one seed, checkpoint always and except_last must
+  // give exactly the output and grads of checkpoint never (which keeps the
+  // graph of the forward it ran), parameters included.
+  torch::manual_seed(21);
+  using namespace torch::nn;
+  Sequential model(Linear(6, 8), Tanh(), Dropout(0.5), Linear(8, 8), Dropout(0.2), Linear(8, 2));
+  model->to(torch::kFloat64);
+  const auto x = randn64({11, 6});
+  const auto w = randn64({11, 2});
+
+  auto run = [&](Checkpoint mode) {
+    auto copy = deep_copy(model);
+    gpipe::Pipe pipe(copy, PipeOptions().balance({2, 3, 1}).chunks(4).checkpoint(mode));
+    auto xr = x.clone().requires_grad_(true);
+    torch::manual_seed(99);
+    auto out = pipe->forward(xr);
+    (out * w).sum().backward();
+    return std::make_tuple(gpipe::Pipe(pipe), out.detach(), xr.grad());
+  };
+  auto [never, out_never, grad_never] = run(Checkpoint::Never);
+  for (auto mode : {Checkpoint::Always, Checkpoint::ExceptLast}) {
+    CAPTURE(mode);
+    auto [pipe, out, grad] = run(mode);
+    CHECK(max_abs_diff(out, out_never) <= kTolerance);
+    CHECK(max_abs_diff(grad, grad_never) <= kTolerance);
+    check_param_grads(*pipe, *never);
+  }
+  // A different seed draws different masks: the comparison above can fail.
+  auto other = deep_copy(model);
+  gpipe::Pipe pipe(other, PipeOptions().balance({2, 3, 1}).chunks(4));
+  torch::manual_seed(100);
+  CHECK(max_abs_diff(pipe->forward(x), out_never) > 1e-3);
+}

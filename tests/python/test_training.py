@@ -1,0 +1,85 @@
+"""A real training run: the digits MLP over 3 CPU stages reaches 95% and matches the plain model."""
+import importlib.util
+from pathlib import Path
+from typing import List
+
+import pytest
+
+import sklearn  # noqa: F401  (the digits data set; pip install scikit-learn)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("train_digits", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def example():
+    return load_example()
+
+
+@pytest.fixture(scope="module")
+def trained(example):
+    """Both runs of the example, trained once for every test here."""
+    lines: List[str] = []
+    pipelined, reference = example.compare(log=lines.append)
+    return pipelined, reference, lines
+
+
+def test_pipelined_model_learns(trained, example):
+    pipelined, _, _ = trained
+    assert len(pipelined.losses) == example.EPOCHS
+    assert pipelined.accuracy >= 0.95, f"test accuracy {pipelined.accuracy:.4f}"
+    assert pipelined.losses[-1] < 0.25 * pipelined.losses[0], pipelined.losses
+
+
+def test_pipelined_matches_plain(trained):
+    pipelined, reference, _ = trained
+    assert reference.accuracy >= 0.95, f"the plain model itself reaches {reference.accuracy:.4f}"
+    assert abs(pipelined.accuracy - reference.accuracy) <= 0.02
+    # Transparent up to float32 summation order: the curves track each other.
+    for epoch, (a, b) in enumerate(zip(pipelined.losses, reference.losses)):
+        assert abs(a - b) <= 1e-2 * max(b, 1e-3) + 1e-4, f"epoch {epoch}: loss {a} vs {b}"
+
+
+def test_example_is_pipelined(example):
+    assert example.BALANCE == [2, 2, 1] and example.CHUNKS == 4
+    pipe = example.gpipe.Pipe(example.make_model(), balance=example.BALANCE,
+                              chunks=example.CHUNKS)
+    assert len(pipe.balance) == 3 and pipe.chunks == 4
+
+
+def test_progress_is_printed_per_epoch(trained, example):
+    _, _, lines = trained
+    per_epoch = [line for line in lines if "pipelined" in line and "epoch" in line]
+    assert len(per_epoch) == example.EPOCHS
+    assert all("loss" in line and "test accuracy" in line for line in per_epoch)
+
+
+def test_verdict_ok_and_exit_code(trained, example):
+    pipelined, reference, _ = trained
+    lines: List[str] = []
+    assert example.verdict(pipelined, reference, log=lines.append) == 0
+    assert lines[-1] == "OK"
+
+
+def test_verdict_fails_loudly(trained, example):
+    """The example's check can fail: a worse pipelined run makes it exit 1."""
+    pipelined, reference, _ = trained
+    worse = example.Run("pipelined", losses=[1.0], accuracies=[reference.accuracy - 0.05])
+    lines: List[str] = []
+    assert example.verdict(worse, reference, log=lines.append) == 1
+    assert lines[-1].startswith("FAILED")
+
+
+def test_main_wires_compare_to_verdict(trained, example, monkeypatch):
+    """main() as the script runs it, reusing the runs above instead of training again."""
+    pipelined, reference, _ = trained
+    monkeypatch.setattr(example, "compare", lambda epochs, log: (pipelined, reference))
+    lines: List[str] = []
+    assert example.main(log=lines.append) == 0
+    assert "OK" in lines
