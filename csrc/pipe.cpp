@@ -1,6 +1,8 @@
 // pipe.cpp — PipeImpl: checks and resolves the options, adopts the layers, runs the engine.
 #include <gpipe/pipe.h>
 
+#include <gpipe/balance.h>
+
 #include "engine.h"
 #include "microbatch.h"
 #include "stage.h"
@@ -86,9 +88,22 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
   TORCH_CHECK(options_.chunks() >= 1, "chunks must be at least 1, got ", options_.chunks(),
               "; it is the number of micro-batches per mini-batch");
 
+  if (options_.balance().empty()) {
+    // One stage per device given (or per CUDA device), balanced for them.
+    auto devices = options_.devices().empty() && torch::cuda::is_available()
+                       ? default_devices(0)
+                       : options_.devices();
+    TORCH_CHECK(!devices.empty(),
+                "balance is empty and there are no devices to count stages by; pass "
+                "PipeOptions().balance({...}) (layers per stage) or .devices({...}) (one per "
+                "stage, e.g. {torch::kCPU, torch::kCPU}) to have a balance computed");
+    const auto stages = std::min<int64_t>(static_cast<int64_t>(devices.size()), layers);
+    options_.balance(options_.sample().defined()
+                         ? balance_by_time(stages, sequential_, options_.sample(),
+                                           BalanceOptions().device(devices.front()))
+                         : balance_by_params(stages, sequential_));
+  }
   auto& balance = options_.balance();
-  TORCH_CHECK(!balance.empty(), "balance is empty; pass the number of layers of each stage, e.g. ",
-              "PipeOptions().balance({", layers, "}) for one stage");
   int64_t total = 0;
   for (size_t j = 0; j < balance.size(); ++j) {
     TORCH_CHECK(balance[j] >= 1, "balance ", listed(balance), " gives stage ", j, " ", balance[j],

@@ -1,13 +1,16 @@
 // module.cpp — gpipe._C: the engine for Python layers, and the phase flags. Thin: logic lives in csrc/.
 #include "../engine.h"
+#include "../profile.h"
 #include "py_layers.h"
 
+#include <gpipe/balance.h>
 #include <gpipe/error.h>
 #include <gpipe/phase.h>
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
 #include <string>
 
 namespace py = pybind11;
@@ -84,6 +87,24 @@ class PyEngine {
   std::shared_ptr<detail::Engine> engine_;
 };
 
+// Counts bytes allocated minus freed on this thread inside a `with` block.
+class PyMemoryCounter {
+ public:
+  PyMemoryCounter& enter() {
+    counting_.emplace();
+    return *this;
+  }
+  void exit(const py::args& /*exc*/) {
+    last_ = current();
+    counting_.reset();
+  }
+  int64_t current() const { return counting_ ? counting_->counter().current() : last_; }
+
+ private:
+  std::optional<detail::CountMemory> counting_;
+  int64_t last_ = 0;
+};
+
 }  // namespace
 
 }  // namespace gpipe::python
@@ -101,6 +122,18 @@ chunks: micro-batches per mini-batch; checkpoint: 'always', 'except_last' or 'ne
       .def("forward", &PyEngine::forward, py::arg("input"), py::arg("training"),
            R"doc(Runs a tensor or a tuple of tensors through the pipeline; under grad mode
 the outputs' grad_fn runs the backward half when backward() reaches it.)doc");
+
+  py::class_<gpipe::python::PyMemoryCounter>(
+      m, "MemoryCounter",
+      "Context manager: bytes allocated minus bytes freed on this thread while inside (any device).")
+      .def(py::init<>())
+      .def("__enter__", &gpipe::python::PyMemoryCounter::enter, py::return_value_policy::reference)
+      .def("__exit__", &gpipe::python::PyMemoryCounter::exit)
+      .def_property_readonly("current", &gpipe::python::PyMemoryCounter::current);
+
+  m.def("balance_cost", &gpipe::balance_cost, py::arg("costs"), py::arg("partitions"),
+        R"doc(The contiguous split of per-layer costs into `partitions` stages minimising the
+largest stage (exact; ties: lexicographically smallest balance).)doc");
 
   m.def("is_checkpointing", &gpipe::is_checkpointing,
         R"doc(True inside the first forward of a checkpointed micro-batch (no graph kept).)doc");

@@ -1,6 +1,7 @@
 // options.h — how a Pipe cuts a model and a batch: balance, devices, chunks, checkpoint.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <torch/arg.h>
 
@@ -33,12 +34,17 @@ std::ostream& operator<<(std::ostream& stream, Checkpoint checkpoint);
 /// gpipe::Pipe pipe(model, gpipe::PipeOptions().balance({2, 2}).chunks(8));
 /// ```
 struct PipeOptions {
-  /// Layers per stage, in order; one entry per stage, each at least 1.
-  /// Must sum to the number of layers in the Sequential.
+  /// Layers per stage, in order; one entry per stage, each at least 1,
+  /// summing to the number of layers. Empty: computed for one stage per
+  /// device, by profiled time when `sample` is given, else by parameter
+  /// count (see balance.h).
   TORCH_ARG(std::vector<int64_t>, balance) = {};
   /// One device per stage (extra ones are ignored). Empty: the available CUDA
-  /// devices in order, or the CPU for every stage when there is no CUDA.
+  /// devices in order, or the CPU for every stage when there is no CUDA
+  /// (then `balance` must be given, or the devices, to fix the stage count).
   TORCH_ARG(std::vector<c10::Device>, devices) = {};
+  /// A sample mini-batch to balance by time when `balance` is empty.
+  TORCH_ARG(at::Tensor, sample) = {};
   /// Micro-batches per mini-batch. At least 1.
   TORCH_ARG(int64_t, chunks) = 1;
   /// Which micro-batches are checkpointed in training.

@@ -17,3 +17,13 @@ def is_checkpointing() -> bool:
 
 def is_recomputing() -> bool:
     """True inside the recompute of a checkpointed micro-batch, just before its backward."""
+
+class MemoryCounter:
+    """Context manager: bytes allocated minus bytes freed on this thread while inside."""
+
+    current: int
+    def __enter__(self) -> "MemoryCounter": ...
+    def __exit__(self, *exc: object) -> None: ...
+
+def balance_cost(costs: List[float], partitions: int) -> List[int]:
+    """The contiguous split of per-layer costs minimising the largest stage."""

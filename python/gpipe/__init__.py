@@ -8,7 +8,8 @@ as the plain model.
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from gpipe._C import is_checkpointing, is_recomputing
+from gpipe import balance
 from gpipe.pipe import GPipe, Pipe
 
-__all__ = ["Pipe", "GPipe", "is_checkpointing", "is_recomputing"]
+__all__ = ["Pipe", "GPipe", "balance", "is_checkpointing", "is_recomputing"]
 __version__ = "0.1.0"

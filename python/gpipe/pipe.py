@@ -5,6 +5,7 @@ import torch
 from torch import Tensor, nn
 
 from gpipe import _C
+from gpipe.balance import balance_by_params
 from gpipe.batchnorm import DeferredBatchNorm
 
 __all__ = ["Pipe", "GPipe"]
@@ -64,7 +65,9 @@ class Pipe(nn.Module):
         module: the ``nn.Sequential`` to pipeline. Its layers become the
             Pipe's children under their own names, so ``state_dict()`` keys
             are the Sequential's ("0.weight", ...).
-        balance: layers per stage, e.g. ``[2, 3]``.
+        balance: layers per stage, e.g. ``[2, 3]``. None: one stage per device,
+            balanced by parameter count (see :mod:`gpipe.balance` for balancing
+            by time or memory).
         devices: one device per stage (extra ones are dropped). Default: all
             CUDA devices, or the CPU for every stage when there is no CUDA.
         chunks: micro-batches per mini-batch (default 1).
@@ -111,9 +114,15 @@ class Pipe(nn.Module):
             raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', "
                              f"got {checkpoint!r}")
         if balance is None:
-            raise ValueError("balance is required: pass the number of layers of each stage, "
-                             f"e.g. balance=[{len(module)}] for one stage, or compute one with "
-                             "gpipe.balance")
+            # One stage per device given (or per CUDA device), by parameter count.
+            if devices is None and torch.cuda.is_available():
+                devices = range(torch.cuda.device_count())
+            if devices is None:
+                raise ValueError("balance is None and there are no devices to count stages "
+                                 "by; pass balance (layers per stage, see gpipe.balance to "
+                                 "compute one) or devices (one per stage, e.g. ['cpu', 'cpu'])")
+            devices = list(devices)
+            balance = balance_by_params(min(len(devices), len(module)), module)
         balance = [int(x) for x in balance]
         _check_balance(module, balance)
         _check_distinct(module)
