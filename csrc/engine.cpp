@@ -63,6 +63,20 @@ at::Tensor gather_grads(const std::vector<at::Tensor>& parts, const std::vector<
   return at::cat(filled, 0);
 }
 
+/// `receive`, recorded as a copy when it moves anything across devices.
+Batch receive_traced(Payload in, const Lane& lane, Tracer& tracer, int64_t step, int64_t stage,
+                     int64_t microbatch) {
+  bool crosses = false;
+  if (tracer.enabled()) {
+    for (const auto& t : in.batch.values) crosses |= t.defined() && t.device() != lane.device;
+  }
+  if (!crosses) return receive(std::move(in), lane);
+  Span span(tracer, step, stage, microbatch, TracePhase::Copy);
+  Batch out = receive(std::move(in), lane);
+  span.finish();
+  return out;
+}
+
 }  // namespace
 
 Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c10::Device>& devices,
@@ -110,6 +124,8 @@ Batch Engine::forward(const Batch& input, bool training) {
   run->stages.resize(static_cast<size_t>(k));
   run->input_rows = rows_of(microbatches);
   run->forward_state.emplace();
+  const int64_t step = tracer_.enabled() ? tracer_.next_step() : 0;
+  run->step = step;
   const int64_t stop = graph && training ? checkpointed_microbatches(checkpoint_, m) : 0;
   for (auto& s : run->stages) s.any_checkpoint = stop > 0;
 
@@ -121,14 +137,16 @@ Batch Engine::forward(const Batch& input, bool training) {
   for (auto& mb : microbatches) sources.push_back(Payload{std::move(mb), ready});
 
   PipeRun& r = *run;
-  const CellFn cell = [this, &r, stop](int64_t j, const Action& action, Payload in,
-                                       const char*& /*phase*/) {
+  const CellFn cell = [this, &r, stop, step](int64_t j, const Action& action, Payload in,
+                                             const char*& /*phase*/) {
     Stage& stage = *stages_[static_cast<size_t>(j)];
     auto guard = on_compute_stream(stage);
     const int64_t i = action.microbatch;
-    Batch x = receive(std::move(in), stage.lane());
+    Batch x = receive_traced(std::move(in), stage.lane(), tracer_, step, j, i);
+    Span span(tracer_, step, j, i, TracePhase::Forward);
     Batch y = stage.forward(r.cells[static_cast<size_t>(j)][static_cast<size_t>(i)],
                             r.stages[static_cast<size_t>(j)], x, i < stop);
+    span.finish();
     return Payload{std::move(y), mark(stage.lane().compute)};
   };
   auto sinks = execute(gpipe_forward(k, m), std::move(sources), cell, /*inline_run=*/false);
@@ -190,10 +208,19 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
                                                const char*& phase) {
     Stage& stage = *stages_[static_cast<size_t>(j)];
     auto guard = on_compute_stream(stage);
-    Batch dy = receive(std::move(in), stage.lane());
-    Batch dx = stage.backward(
-        run.cells[static_cast<size_t>(j)][static_cast<size_t>(action.microbatch)], dy, keep_graph,
-        *run.forward_state, phase);
+    const int64_t i = action.microbatch;
+    Cell& c = run.cells[static_cast<size_t>(j)][static_cast<size_t>(i)];
+    Batch dy = receive_traced(std::move(in), stage.lane(), tracer_, run.step, j, i);
+    if (c.checkpointed) {
+      phase = "recompute";
+      Span span(tracer_, run.step, j, i, TracePhase::Recompute);
+      stage.recompute(c, *run.forward_state);
+      span.finish();
+      phase = "backward";
+    }
+    Span span(tracer_, run.step, j, i, TracePhase::Backward);
+    Batch dx = stage.backward(c, dy, keep_graph);
+    span.finish();
     return Payload{std::move(dx), mark(stage.lane().compute)};
   };
 

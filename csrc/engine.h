@@ -4,6 +4,7 @@
 #include "executor.h"
 #include "microbatch.h"
 #include "stage.h"
+#include "trace.h"
 
 #include <gpipe/error.h>
 #include <gpipe/options.h>
@@ -39,6 +40,8 @@ struct PipeRun {
   /// The caller's thread-local state (autocast and the rest) at forward
   /// time: recomputes run under it, as the first forward did.
   std::optional<at::ThreadLocalState> forward_state;
+  /// The forward call's number in the trace (0 when not tracing).
+  int64_t step = 0;
 };
 
 class Engine : public std::enable_shared_from_this<Engine> {
@@ -64,6 +67,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   using ErrorHook = std::function<void(const CellError&)>;
   void set_error_hook(ErrorHook hook) { error_hook_ = std::move(hook); }
 
+  /// Records every cell (and cross-device copy) while enabled.
+  Tracer& tracer() noexcept { return tracer_; }
+
  private:
   std::vector<Payload> execute(const Schedule& schedule, std::vector<Payload> sources,
                                const CellFn& cell, bool inline_run);
@@ -73,6 +79,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   int64_t chunks_;
   Checkpoint checkpoint_;
   ErrorHook error_hook_;
+  Tracer tracer_;
 };
 
 }  // namespace gpipe::detail

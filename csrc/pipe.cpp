@@ -140,6 +140,7 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
   }
   engine_ = std::make_shared<detail::Engine>(std::move(parts), devices, options_.chunks(),
                                              options_.checkpoint());
+  engine_->tracer().enable(options_.trace());
 }
 
 PipeImpl::~PipeImpl() = default;
@@ -155,6 +156,17 @@ std::vector<torch::Tensor> PipeImpl::forward(std::vector<torch::Tensor> inputs) 
   return engine_->forward(detail::Batch(std::move(inputs), /*is_atomic=*/false), is_training())
       .values;
 }
+
+void PipeImpl::set_tracing(bool on) {
+  options_.trace(on);
+  engine_->tracer().enable(on);
+}
+
+bool PipeImpl::tracing() const { return engine_->tracer().enabled(); }
+
+Trace PipeImpl::trace() const { return engine_->tracer().snapshot(); }
+
+void PipeImpl::clear_trace() { engine_->tracer().clear(); }
 
 size_t PipeImpl::size() const noexcept { return sequential_->size(); }
 

@@ -236,13 +236,7 @@ void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
   cell.leaves = std::move(entry.leaves);
 }
 
-Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
-                      const at::ThreadLocalState& forward_state, const char*& phase) {
-  if (cell.checkpointed) {
-    phase = "recompute";
-    recompute(cell, forward_state);
-    phase = "backward";
-  }
+Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph) {
   TORCH_CHECK(grads.size() == cell.outputs.size(), "stage ", index_, " produced ",
               cell.outputs.size(), " outputs but received ", grads.size(), " grads");
   variable_list roots;

@@ -74,17 +74,19 @@ class Stage {
   /// the next stage must honour.
   Batch forward(Cell& cell, StageRun& run, const Batch& input, bool checkpoint);
 
-  /// B(i): recomputes first when the cell was checkpointed (setting `phase`
-  /// to "recompute" meanwhile), then back-propagates `grads` (one per output,
-  /// undefined where none) through the stage and returns the grads of the
-  /// cell's inputs. `keep_graph` keeps the cell usable for another backward.
-  /// A recompute runs under `forward_state`, the thread-local state (autocast
-  /// included) of the cell's first forward, with grad mode on.
-  Batch backward(Cell& cell, const Batch& grads, bool keep_graph,
-                 const at::ThreadLocalState& forward_state, const char*& phase);
+  /// The first half of B(i) for a checkpointed cell: rebuilds the stage's
+  /// graph from the saved input with the saved generator states, under
+  /// `forward_state`, the thread-local state (autocast included) of the
+  /// cell's first forward, with grad mode on.
+  void recompute(Cell& cell, const at::ThreadLocalState& forward_state);
+
+  /// B(i) (after `recompute` for a checkpointed cell): back-propagates
+  /// `grads` (one per output, undefined where none) through the stage and
+  /// returns the grads of the cell's inputs. `keep_graph` keeps the cell
+  /// usable for another backward.
+  Batch backward(Cell& cell, const Batch& grads, bool keep_graph);
 
  private:
-  void recompute(Cell& cell, const at::ThreadLocalState& forward_state);
 
   int64_t index_;
   std::unique_ptr<Layers> layers_;

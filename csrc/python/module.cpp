@@ -6,6 +6,7 @@
 #include <gpipe/balance.h>
 #include <gpipe/error.h>
 #include <gpipe/phase.h>
+#include <gpipe/trace.h>
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
@@ -83,6 +84,8 @@ class PyEngine {
     return to_python(out);
   }
 
+  detail::Tracer& tracer() { return engine_->tracer(); }
+
  private:
   std::shared_ptr<detail::Engine> engine_;
 };
@@ -121,7 +124,56 @@ PYBIND11_MODULE(_C, m) {
 chunks: micro-batches per mini-batch; checkpoint: 'always', 'except_last' or 'never'.)doc")
       .def("forward", &PyEngine::forward, py::arg("input"), py::arg("training"),
            R"doc(Runs a tensor or a tuple of tensors through the pipeline; under grad mode
-the outputs' grad_fn runs the backward half when backward() reaches it.)doc");
+the outputs' grad_fn runs the backward half when backward() reaches it.)doc")
+      .def_property(
+          "tracing", [](PyEngine& e) { return e.tracer().enabled(); },
+          [](PyEngine& e, bool on) { e.tracer().enable(on); },
+          "Whether every cell is being recorded.")
+      .def(
+          "trace", [](PyEngine& e) { return e.tracer().snapshot(); },
+          "The events recorded so far (a copy).")
+      .def(
+          "clear_trace", [](PyEngine& e) { e.tracer().clear(); },
+          "Forgets the recorded events; the next forward is step 0.");
+
+  py::class_<gpipe::TraceEvent>(m, "TraceEvent", "One executed cell (or copy), timed on the host.")
+      .def_readonly("step", &gpipe::TraceEvent::step)
+      .def_readonly("stage", &gpipe::TraceEvent::stage)
+      .def_readonly("microbatch", &gpipe::TraceEvent::microbatch)
+      .def_property_readonly(
+          "phase", [](const gpipe::TraceEvent& e) { return std::string(gpipe::to_string(e.phase)); },
+          "'forward', 'backward', 'recompute' or 'copy'.")
+      .def_readonly("start_us", &gpipe::TraceEvent::start_us)
+      .def_readonly("end_us", &gpipe::TraceEvent::end_us)
+      .def_readonly("thread", &gpipe::TraceEvent::thread)
+      .def("__repr__", [](const gpipe::TraceEvent& e) {
+        return "TraceEvent(step=" + std::to_string(e.step) + ", stage=" + std::to_string(e.stage) +
+               ", microbatch=" + std::to_string(e.microbatch) + ", phase='" +
+               gpipe::to_string(e.phase) + "', start_us=" + std::to_string(e.start_us) +
+               ", end_us=" + std::to_string(e.end_us) + ", thread=" + std::to_string(e.thread) +
+               ")";
+      });
+
+  py::class_<gpipe::TraceSummary>(m, "TraceSummary",
+                                  "The measured bubble against GPipe's ideal, busy time per stage.")
+      .def_readonly("stages", &gpipe::TraceSummary::stages)
+      .def_readonly("microbatches", &gpipe::TraceSummary::microbatches)
+      .def_readonly("steps", &gpipe::TraceSummary::steps)
+      .def_readonly("busy_us", &gpipe::TraceSummary::busy_us)
+      .def_readonly("span_us", &gpipe::TraceSummary::span_us)
+      .def_readonly("bubble", &gpipe::TraceSummary::bubble)
+      .def_readonly("ideal_bubble", &gpipe::TraceSummary::ideal_bubble)
+      .def("__str__", &gpipe::TraceSummary::to_string);
+
+  py::class_<gpipe::Trace>(m, "Trace", "What a Pipe ran while tracing was on.")
+      .def(py::init<>())
+      .def_readwrite("events", &gpipe::Trace::events)
+      .def("to_chrome_json", &gpipe::Trace::to_chrome_json,
+           "Chrome trace event JSON (chrome://tracing, ui.perfetto.dev): a row per stage.")
+      .def("save_chrome_json", &gpipe::Trace::save_chrome_json, py::arg("path"),
+           "Writes to_chrome_json() to path.")
+      .def("summary", &gpipe::Trace::summary, "The measured bubble and busy time per stage.")
+      .def("__len__", [](const gpipe::Trace& t) { return t.events.size(); });
 
   py::class_<gpipe::python::PyMemoryCounter>(
       m, "MemoryCounter",

@@ -5,3 +5,4 @@
 #include <gpipe/options.h>
 #include <gpipe/phase.h>
 #include <gpipe/pipe.h>
+#include <gpipe/trace.h>

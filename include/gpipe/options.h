@@ -49,6 +49,9 @@ struct PipeOptions {
   TORCH_ARG(int64_t, chunks) = 1;
   /// Which micro-batches are checkpointed in training.
   TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::ExceptLast;
+  /// Record every cell from the start (see `PipeImpl::trace`); tracing can
+  /// also be switched on and off later with `PipeImpl::set_tracing`.
+  TORCH_ARG(bool, trace) = false;
 };
 
 }  // namespace gpipe

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <gpipe/options.h>
+#include <gpipe/trace.h>
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -81,6 +82,18 @@ class PipeImpl : public torch::nn::Module {
   Checkpoint checkpoint() const noexcept { return options_.checkpoint(); }
   /// The resolved options (balance and devices filled in).
   const PipeOptions& options() const noexcept { return options_; }
+
+  /// Switches tracing on or off: while on, every forward, backward,
+  /// recompute and cross-device copy is recorded with its stage,
+  /// micro-batch, start, end and thread. Off costs one relaxed atomic load
+  /// per cell.
+  void set_tracing(bool on);
+  bool tracing() const;
+  /// What was recorded so far (a copy); `trace().summary()` gives the
+  /// measured bubble, `trace().save_chrome_json(path)` a Chrome trace.
+  Trace trace() const;
+  /// Forgets what was recorded; the next forward is step 0 again.
+  void clear_trace();
 
   /// Devices belong to the Pipe: moving it as a whole is refused. Casting
   /// (`to(torch::kFloat64)`) is fine.

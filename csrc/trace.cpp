@@ -1,0 +1,172 @@
+// trace.cpp — recording events, and what a trace says: Chrome JSON, bubble, busy time.
+#include "trace.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <thread>
+#include <utility>
+
+namespace gpipe {
+
+const char* to_string(TracePhase phase) {
+  switch (phase) {
+    case TracePhase::Forward: return "forward";
+    case TracePhase::Backward: return "backward";
+    case TracePhase::Recompute: return "recompute";
+    case TracePhase::Copy: return "copy";
+  }
+  return "unknown";
+}
+
+namespace {
+
+char letter(TracePhase phase) {
+  switch (phase) {
+    case TracePhase::Forward: return 'F';
+    case TracePhase::Backward: return 'B';
+    case TracePhase::Recompute: return 'R';
+    case TracePhase::Copy: return 'C';
+  }
+  return '?';
+}
+
+std::string fixed(double value, int digits) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof buffer, "%.*f", digits, value);
+  return buffer;
+}
+
+}  // namespace
+
+std::string TraceSummary::to_string() const {
+  std::ostringstream out;
+  out << steps << " step(s), " << stages << " stage(s), up to " << microbatches
+      << " micro-batch(es): bubble " << fixed(bubble, 3) << " (GPipe ideal "
+      << fixed(ideal_bubble, 3) << "), span " << fixed(span_us / 1000.0, 3) << " ms\n";
+  for (size_t j = 0; j < busy_us.size(); ++j) {
+    const double share = span_us > 0 ? busy_us[j] / span_us : 0.0;
+    out << "  stage " << j << ": busy " << fixed(busy_us[j] / 1000.0, 3) << " ms ("
+        << fixed(100.0 * share, 1) << "% of the span)\n";
+  }
+  return out.str();
+}
+
+std::string Trace::to_chrome_json() const {
+  int64_t stages = 0;
+  for (const auto& e : events) stages = std::max(stages, e.stage + 1);
+  std::ostringstream out;
+  out << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[";
+  bool first = true;
+  auto comma = [&] {
+    if (!first) out << ",";
+    first = false;
+  };
+  for (int64_t j = 0; j < stages; ++j) {
+    comma();
+    out << "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":" << j
+        << ",\"args\":{\"name\":\"stage " << j << "\"}}";
+    comma();
+    out << "{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":0,\"tid\":" << j
+        << ",\"args\":{\"sort_index\":" << j << "}}";
+  }
+  for (const auto& e : events) {
+    comma();
+    out << "{\"name\":\"" << letter(e.phase) << e.microbatch << "\",\"cat\":\""
+        << gpipe::to_string(e.phase) << "\",\"ph\":\"X\",\"pid\":0,\"tid\":" << e.stage
+        << ",\"ts\":" << fixed(e.start_us, 3) << ",\"dur\":" << fixed(e.end_us - e.start_us, 3)
+        << ",\"args\":{\"step\":" << e.step << ",\"microbatch\":" << e.microbatch
+        << ",\"thread\":" << e.thread << "}}";
+  }
+  out << "]}\n";
+  return out.str();
+}
+
+void Trace::save_chrome_json(const std::string& path) const {
+  std::ofstream file(path, std::ios::binary | std::ios::trunc);
+  TORCH_CHECK(file.good(), "cannot open '", path, "' to write the trace; check the directory exists");
+  file << to_chrome_json();
+  file.close();
+  TORCH_CHECK(file.good(), "writing the trace to '", path, "' failed");
+}
+
+TraceSummary Trace::summary() const {
+  TraceSummary s;
+  // (step, half) -> [first start, last end] of its compute events, and the
+  // number of micro-batches per step.
+  std::map<std::pair<int64_t, int>, std::pair<double, double>> halves;
+  std::map<int64_t, int64_t> microbatches;
+  for (const auto& e : events) s.stages = std::max(s.stages, e.stage + 1);
+  s.busy_us.assign(static_cast<size_t>(s.stages), 0.0);
+  for (const auto& e : events) {
+    if (e.phase == TracePhase::Copy) continue;
+    s.busy_us[static_cast<size_t>(e.stage)] += e.end_us - e.start_us;
+    const int half = e.phase == TracePhase::Forward ? 0 : 1;
+    auto [it, fresh] = halves.try_emplace({e.step, half}, e.start_us, e.end_us);
+    if (!fresh) {
+      it->second.first = std::min(it->second.first, e.start_us);
+      it->second.second = std::max(it->second.second, e.end_us);
+    }
+    auto& m = microbatches[e.step];
+    m = std::max(m, e.microbatch + 1);
+  }
+  for (const auto& [key, span] : halves) s.span_us += span.second - span.first;
+  for (const auto& [step, m] : microbatches) s.microbatches = std::max(s.microbatches, m);
+  s.steps = static_cast<int64_t>(microbatches.size());
+  double busy = 0;
+  for (double b : s.busy_us) busy += b;
+  if (s.stages > 0 && s.span_us > 0) {
+    s.bubble = 1.0 - busy / (static_cast<double>(s.stages) * s.span_us);
+  }
+  if (s.stages > 0 && s.microbatches > 0) {
+    s.ideal_bubble = static_cast<double>(s.stages - 1) /
+                     static_cast<double>(s.microbatches + s.stages - 1);
+  }
+  return s;
+}
+
+namespace detail {
+
+namespace {
+
+int64_t thread_number() {
+  static std::atomic<int64_t> next{0};
+  thread_local const int64_t number = next.fetch_add(1, std::memory_order_relaxed);
+  return number;
+}
+
+}  // namespace
+
+void Tracer::record(int64_t step, int64_t stage, int64_t microbatch, TracePhase phase,
+                    Clock::time_point start, Clock::time_point end) {
+  using Micro = std::chrono::duration<double, std::micro>;
+  TraceEvent e;
+  e.step = step;
+  e.stage = stage;
+  e.microbatch = microbatch;
+  e.phase = phase;
+  e.start_us = Micro(start - origin_).count();
+  e.end_us = Micro(end - origin_).count();
+  e.thread = thread_number();
+  std::lock_guard<std::mutex> hold(mutex_);
+  events_.push_back(e);
+}
+
+Trace Tracer::snapshot() const {
+  std::lock_guard<std::mutex> hold(mutex_);
+  return Trace{events_};
+}
+
+void Tracer::clear() {
+  std::lock_guard<std::mutex> hold(mutex_);
+  events_.clear();
+  steps_.store(0, std::memory_order_relaxed);
+}
+
+}  // namespace detail
+
+}  // namespace gpipe
