@@ -11,6 +11,41 @@ class Engine:
                  chunks: int, checkpoint: str) -> None: ...
     def forward(self, input: Union[Tensor, Tuple[Tensor, ...]],
                 training: bool) -> Union[Tensor, Tuple[Tensor, ...]]: ...
+    tracing: bool
+    def trace(self) -> "Trace": ...
+    def clear_trace(self) -> None: ...
+
+class TraceEvent:
+    """One executed cell (or cross-device copy), timed on the host."""
+
+    step: int
+    stage: int
+    microbatch: int
+    phase: str  # 'forward', 'backward', 'recompute' or 'copy'
+    start_us: float
+    end_us: float
+    thread: int
+
+class TraceSummary:
+    """The measured bubble against GPipe's ideal, busy time per stage."""
+
+    stages: int
+    microbatches: int
+    steps: int
+    busy_us: List[float]
+    span_us: float
+    bubble: float
+    ideal_bubble: float
+
+class Trace:
+    """What a Pipe ran while tracing was on."""
+
+    events: List[TraceEvent]
+    def __init__(self) -> None: ...
+    def to_chrome_json(self) -> str: ...
+    def save_chrome_json(self, path: str) -> None: ...
+    def summary(self) -> TraceSummary: ...
+    def __len__(self) -> int: ...
 
 def is_checkpointing() -> bool:
     """True inside the first forward of a checkpointed micro-batch (no graph kept)."""

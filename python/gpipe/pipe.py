@@ -77,6 +77,8 @@ class Pipe(nn.Module):
         deferred_batch_norm: replace BatchNorm layers by ones whose running
             statistics are updated once per mini-batch (see
             :class:`gpipe.batchnorm.DeferredBatchNorm`).
+        trace: record every forward, backward, recompute and copy from the
+            start (see :attr:`trace` and :func:`gpipe.tracing`).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
@@ -102,7 +104,8 @@ class Pipe(nn.Module):
 
     def __init__(self, module: nn.Sequential, balance: Optional[Iterable[int]] = None, *,
                  devices: Optional[Iterable[Device]] = None, chunks: int = 1,
-                 checkpoint: str = "except_last", deferred_batch_norm: bool = False) -> None:
+                 checkpoint: str = "except_last", deferred_batch_norm: bool = False,
+                 trace: bool = False) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"module must be nn.Sequential to be partitioned, got "
@@ -162,6 +165,28 @@ class Pipe(nn.Module):
         self._layers = layers
         self._deferred = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
         self._engine = _C.Engine(partitions, devices, chunks, checkpoint)
+        self._engine.tracing = bool(trace)
+
+    @property
+    def tracing(self) -> bool:
+        """Whether every cell is being recorded (see :attr:`trace`)."""
+        return self._engine.tracing
+
+    @tracing.setter
+    def tracing(self, on: bool) -> None:
+        self._engine.tracing = bool(on)
+
+    @property
+    def trace(self) -> "_C.Trace":
+        """What was recorded while :attr:`tracing` was on: ``.events`` (stage,
+        micro-batch, phase, start, end, thread), ``.summary()`` (measured
+        bubble against GPipe's ideal) and ``.save_chrome_json(path)``. See
+        :func:`gpipe.tracing` and :func:`gpipe.plot_timeline`."""
+        return self._engine.trace()
+
+    def clear_trace(self) -> None:
+        """Forgets the recorded events; the next forward is step 0."""
+        self._engine.clear_trace()
 
     def __len__(self) -> int:
         return len(self._layers)

@@ -1,0 +1,83 @@
+"""Tracing a Pipe: record what each stage ran and when, and draw it as a timeline.
+
+Example::
+
+    with gpipe.tracing(pipe) as trace:
+        pipe(x).sum().backward()
+    print(trace.summary())                 # measured bubble vs (K-1)/(M+K-1)
+    trace.save_chrome_json("trace.json")   # chrome://tracing or ui.perfetto.dev
+    gpipe.plot_timeline(trace, "timeline.png")
+"""
+import contextlib
+import os
+from typing import TYPE_CHECKING, Iterator, Union
+
+from gpipe import _C
+
+if TYPE_CHECKING:
+    from gpipe.pipe import Pipe
+
+__all__ = ["Trace", "tracing", "plot_timeline"]
+
+Trace = _C.Trace
+
+#: Box colours by phase.
+_COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "recompute": "#55A868",
+            "copy": "#8C8C8C"}
+
+
+@contextlib.contextmanager
+def tracing(pipe: "Pipe") -> Iterator[Trace]:
+    """Records every cell ``pipe`` runs inside the ``with`` block (forward and
+    backward alike) into the yielded :class:`Trace`, filled on exit. Earlier
+    recordings are dropped; tracing is switched back to what it was."""
+    was = pipe.tracing
+    pipe.clear_trace()
+    pipe.tracing = True
+    trace = Trace()
+    try:
+        yield trace
+    finally:
+        trace.events = pipe.trace.events
+        pipe.tracing = was
+
+
+def plot_timeline(trace: Trace, path: Union[str, "os.PathLike[str]"], *,
+                  title: str = "gpipe timeline") -> None:
+    """Draws ``trace`` as a Gantt chart to ``path`` (PNG, or any format
+    matplotlib infers from the suffix): one row per stage, one box per cell
+    labelled with its micro-batch, forward, backward, recompute and copy in
+    different colours, time in milliseconds from the first event."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError as e:  # pragma: no cover - matplotlib is in requirements.txt
+        raise ImportError("plot_timeline needs matplotlib: pip install matplotlib") from e
+    events = list(trace.events)
+    if not events:
+        raise ValueError("the trace is empty: turn tracing on (gpipe.tracing(pipe) or "
+                         "Pipe(..., trace=True)) and run the Pipe before plotting")
+    origin = min(e.start_us for e in events)
+    stages = max(e.stage for e in events) + 1
+    fig, ax = plt.subplots(figsize=(12, 0.6 * stages + 1.5))
+    for e in events:
+        start = (e.start_us - origin) / 1000.0
+        width = max((e.end_us - e.start_us) / 1000.0, 1e-6)
+        ax.broken_barh([(start, width)], (e.stage - 0.4, 0.8),
+                       facecolors=_COLOURS[e.phase], edgecolors="white", linewidth=0.5)
+        ax.text(start + width / 2, e.stage, str(e.microbatch), ha="center", va="center",
+                fontsize=7, color="white", clip_on=True)
+    ax.set_yticks(range(stages))
+    ax.set_yticklabels([f"stage {j}" for j in range(stages)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    summary = trace.summary()
+    ax.set_title(f"{title}: bubble {summary.bubble:.2f} (ideal {summary.ideal_bubble:.2f})")
+    present = sorted({e.phase for e in events}, key=list(_COLOURS).index)
+    ax.legend(handles=[Patch(color=_COLOURS[p], label=p) for p in present],
+              loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
