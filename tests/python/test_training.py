@@ -76,10 +76,14 @@ def test_verdict_fails_loudly(trained, example):
     assert lines[-1].startswith("FAILED")
 
 
-def test_main_wires_compare_to_verdict(trained, example, monkeypatch):
-    """main() as the script runs it, reusing the runs above instead of training again."""
+def test_main_wires_compare_to_verdict(trained, example, monkeypatch, tmp_path):
+    """main() as the script runs it, reusing the runs above instead of training again;
+    it draws the timeline of a traced step."""
     pipelined, reference, _ = trained
     monkeypatch.setattr(example, "compare", lambda epochs, log: (pipelined, reference))
     lines: List[str] = []
-    assert example.main(log=lines.append) == 0
+    timeline = tmp_path / "timeline.png"
+    assert example.main(log=lines.append, timeline=str(timeline)) == 0
     assert "OK" in lines
+    assert timeline.read_bytes()[:4] == b"\x89PNG"
+    assert any(line.startswith("one traced step:") and "bubble" in line for line in lines)
