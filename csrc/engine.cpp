@@ -123,6 +123,9 @@ Batch Engine::forward(const Batch& input, bool training) {
   run->cells.assign(static_cast<size_t>(k), std::vector<Cell>(static_cast<size_t>(m)));
   run->stages.resize(static_cast<size_t>(k));
   run->input_rows = rows_of(microbatches);
+  for (const auto& t : input.values) {
+    run->input_devices.push_back(t.defined() ? t.device() : c10::Device(c10::kCPU));
+  }
   run->forward_state.emplace();
   const int64_t step = tracer_.enabled() ? tracer_.next_step() : 0;
   run->step = step;
@@ -248,7 +251,13 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     std::vector<at::Tensor> per_microbatch;
     per_microbatch.reserve(parts.size());
     for (const auto& p : parts) per_microbatch.push_back(p[v]);
-    result.push_back(gather_grads(per_microbatch, run.input_rows));
+    at::Tensor grad = gather_grads(per_microbatch, run.input_rows);
+    // Autograd wants each input's grad on that input's device (a CPU batch
+    // fed to CUDA stages). `settle` ordered the current streams after the
+    // grads' producers, so a copy on them reads finished values.
+    const c10::Device home = run.input_devices[v];
+    if (grad.defined() && grad.device() != home) grad = grad.to(home);
+    result.push_back(std::move(grad));
   }
   return result;
 }

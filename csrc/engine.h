@@ -33,6 +33,8 @@ struct PipeRun {
   /// Rows of each micro-batch of the input and of the output.
   std::vector<int64_t> input_rows;
   std::vector<int64_t> output_rows;
+  /// The device of each input value: its grad goes back there.
+  std::vector<c10::Device> input_devices;
   /// For each output value, the PipeBackward input slot of its grad (-1:
   /// not differentiable, no grad).
   std::vector<int64_t> output_slot;
