@@ -1,0 +1,198 @@
+// sim.cpp — schedule efficiency on simulated devices: layers that sleep t in forward and 2t in backward.
+//
+//   bench_sim [--quick]
+//
+// Each stage holds one sleep layer (layers per stage L = 1): its forward
+// sleeps t, its backward 2t, like a device busy with kernels while the CPU
+// waits. A sleeping thread uses no core, so 8 stages "run" at once even on 2
+// cores, and the makespan shows only the schedule and the engine's own
+// overhead. checkpoint=never: recompute would add a forward (t) to each
+// backward cell and change the ideal.
+//
+// For K stages and M micro-batches one mini-batch (forward + backward) takes
+// at best (M + K - 1) * 3t * L; efficiency = that ideal / the measured
+// median. Speedup compares the same K-layer model run as one stage (K=1,
+// same M: all K*M*3t serial) with its K-stage pipeline.
+//
+// Sleeps overshoot (timer slack, wake-up latency), and on a VM the first
+// microseconds after a wake-up run slowly; no scheduler can win that back.
+// So timer slack is set to 1 ns (inherited by the workers, which the Pipe
+// creates afterwards), and a reference runs the same sleep layer on the
+// same M micro-batches in a plain loop on one thread, without gpipe:
+// "eff(real cells)" divides by the ideal made of those real cell times,
+// (M + K - 1) * (plain loop time / M) * L, and so shows what the schedule
+// and the engine lose, apart from the machine.
+#include <gpipe/gpipe.h>
+
+#include <torch/torch.h>
+
+#include "bench.h"
+
+#include <sys/prctl.h>
+
+#include <chrono>
+#include <cstdio>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Busy for `seconds` like a device: sleeps until shortly before the deadline
+// (this VM's timers wake ~50 us late), then yields until it passes, so a nap
+// lasts t rather than t plus the timer's lateness.
+void nap(double seconds) {
+  using Clock = std::chrono::steady_clock;
+  const auto deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  std::this_thread::sleep_until(deadline - std::chrono::microseconds(200));
+  while (Clock::now() < deadline) std::this_thread::yield();
+}
+
+// Identity whose forward sleeps t and whose backward sleeps 2t.
+struct SleepFn : torch::autograd::Function<SleepFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            double t) {
+    ctx->saved_data["t"] = t;
+    ctx->save_for_backward({w});
+    nap(t);
+    return x.clone();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    nap(2 * ctx->saved_data["t"].toDouble());
+    const auto w = ctx->get_saved_variables()[0];
+    return {grads[0], at::zeros_like(w), at::Tensor()};
+  }
+};
+
+// A layer with one parameter, so its backward runs even where its input
+// needs no grad (stage 0).
+struct SleepLayerImpl : torch::nn::Module {
+  explicit SleepLayerImpl(double seconds) : t(seconds) {
+    w = register_parameter("w", torch::zeros({1}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return SleepFn::apply(x, w, t); }
+  double t;
+  torch::Tensor w;
+};
+TORCH_MODULE(SleepLayer);
+
+torch::nn::Sequential sleepers(int64_t layers, double t) {
+  torch::nn::Sequential seq;
+  for (int64_t i = 0; i < layers; ++i) seq->push_back(SleepLayer(t));
+  return seq;
+}
+
+// Median seconds of one forward + backward of a mini-batch of M rows.
+double step_time(const std::vector<int64_t>& balance, int64_t m, double t, int warmup, int reps) {
+  int64_t layers = 0;
+  for (auto b : balance) layers += b;
+  gpipe::Pipe pipe(sleepers(layers, t),
+                   gpipe::PipeOptions()
+                       .balance(balance)
+                       .devices(std::vector<c10::Device>(balance.size(), torch::kCPU))
+                       .chunks(m)
+                       .checkpoint(gpipe::Checkpoint::Never));
+  const auto x = torch::zeros({m, 1});
+  return bench::median(bench::time_runs([&] { pipe->forward(x).sum().backward(); }, warmup, reps));
+}
+
+// Median seconds of the same sleep layer on M micro-batches of one row in a
+// plain loop on this thread (forward each, then one backward), no gpipe.
+double plain_loop_time(int64_t m, double t, int warmup, int reps) {
+  auto seq = sleepers(1, t);
+  const auto pieces = torch::zeros({m, 1}).chunk(m, 0);
+  auto step = [&] {
+    std::vector<torch::Tensor> ys;
+    ys.reserve(pieces.size());
+    for (const auto& p : pieces) ys.push_back(seq->forward(p));
+    torch::cat(ys, 0).sum().backward();
+  };
+  return bench::median(bench::time_runs(step, warmup, reps));
+}
+
+// Mean seconds one nap(seconds) really takes on this machine.
+double measured_nap(double seconds, int n) {
+  const auto start = bench::Clock::now();
+  for (int i = 0; i < n; ++i) nap(seconds);
+  return bench::seconds_since(start) / n;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = bench::quick(argc, argv);
+  // Timer slack is per thread and inherited at thread creation: set it
+  // before any Pipe (and its workers) exists.
+  const bool slack_set = prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL) == 0;
+  at::set_num_threads(1);
+
+  const double t = quick ? 0.001 : 0.002;
+  const std::vector<int64_t> ks =
+      quick ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{1, 2, 4, 8};
+  const std::vector<int64_t> ms =
+      quick ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{1, 4, 8, 16, 32};
+  const int warmup = 1;
+  const int reps = quick ? 2 : 7;
+  const int serial_reps = quick ? 1 : 3;
+  const int64_t per_stage = 1;
+
+  const double fwd = measured_nap(t, quick ? 20 : 100);
+  const double bwd = measured_nap(2 * t, quick ? 20 : 100);
+  std::printf(
+      "sim: sleep layers, t = %.1f ms (forward t, backward 2t), %lld layer per stage, "
+      "checkpoint=never, median of %d steps after %d warm-up\n",
+      t * 1e3, static_cast<long long>(per_stage), reps, warmup);
+  std::printf("sim: timer slack 1 ns %s; measured sleep(t) = %.3f ms, sleep(2t) = %.3f ms\n",
+              slack_set ? "set" : "NOT set (prctl failed)", fwd * 1e3, bwd * 1e3);
+  std::printf(
+      "sim: eff(real cells) uses the same layer's real cost per micro-batch, from a "
+      "plain loop on one thread (median of %d)\n\n",
+      serial_reps);
+
+  // Per micro-batch (forward + backward) cost of one sleep layer, for real.
+  std::vector<double> cell;
+  for (int64_t m : ms) {
+    cell.push_back(plain_loop_time(m, t, warmup, serial_reps) / static_cast<double>(m));
+  }
+
+  bench::Table table({"K", "M", "measured ms", "ideal ms", "efficiency", "eff(real cells)",
+                      "K=1 same model ms", "speedup", "ideal speedup"});
+  struct Row {
+    int64_t k, m;
+    double efficiency, efficiency_real, speedup;
+  };
+  std::vector<Row> rows;
+  for (int64_t k : ks) {
+    for (size_t mi = 0; mi < ms.size(); ++mi) {
+      const int64_t m = ms[mi];
+      const double measured =
+          step_time(std::vector<int64_t>(static_cast<size_t>(k), per_stage), m, t, warmup, reps);
+      // The same K-layer model as one stage: everything in series.
+      const double serial =
+          k == 1 ? measured : step_time({k * per_stage}, m, t, warmup, serial_reps);
+      const double steps = static_cast<double>(m + k - 1) * static_cast<double>(per_stage);
+      const double ideal = steps * 3 * t;
+      const double ideal_real = steps * cell[mi];
+      const double efficiency = ideal / measured;
+      const double speedup = serial / measured;
+      rows.push_back({k, m, efficiency, ideal_real / measured, speedup});
+      table.add({std::to_string(k), std::to_string(m), bench::fixed(measured * 1e3, 1),
+                 bench::fixed(ideal * 1e3, 1), bench::fixed(efficiency, 3),
+                 bench::fixed(ideal_real / measured, 3), bench::fixed(serial * 1e3, 1),
+                 bench::fixed(speedup, 2),
+                 bench::fixed(static_cast<double>(k * m) / static_cast<double>(m + k - 1), 2)});
+    }
+  }
+  table.print();
+  std::printf("\n");
+  for (const auto& r : rows) {
+    std::printf(
+        "BENCH sim K=%lld M=%lld efficiency=%.3f speedup=%.2f efficiency_vs_real_cells=%.3f\n",
+        static_cast<long long>(r.k), static_cast<long long>(r.m), r.efficiency, r.speedup,
+        r.efficiency_real);
+  }
+  return 0;
+}
