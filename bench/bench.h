@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -106,6 +107,24 @@ class Table {
  private:
   std::vector<std::string> header_;
   std::vector<std::vector<std::string>> rows_;
+};
+
+/// Wall time of each step, and CPU time (all threads) over all of them.
+struct Timing {
+  std::vector<double> wall;
+  double cpu = 0;
+  void run(const std::function<void()>& step) {
+    const double cpu_start = process_cpu_seconds();
+    const auto start = Clock::now();
+    step();
+    wall.push_back(seconds_since(start));
+    cpu += process_cpu_seconds() - cpu_start;
+  }
+  double cores() const {
+    double sum = 0;
+    for (double w : wall) sum += w;
+    return sum > 0 ? cpu / sum : 0;
+  }
 };
 
 }  // namespace bench

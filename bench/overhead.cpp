@@ -99,24 +99,6 @@ class SerialCells {
   std::vector<std::vector<torch::Tensor>> outs_, leaves_;
 };
 
-// Wall time and CPU time (all threads) of one configuration's steps.
-struct Timing {
-  std::vector<double> wall;
-  double cpu = 0;
-  void run(const std::function<void()>& step) {
-    const double cpu_start = bench::process_cpu_seconds();
-    const auto start = bench::Clock::now();
-    step();
-    wall.push_back(bench::seconds_since(start));
-    cpu += bench::process_cpu_seconds() - cpu_start;
-  }
-  double cores() const {
-    double sum = 0;
-    for (double w : wall) sum += w;
-    return sum > 0 ? cpu / sum : 0;
-  }
-};
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -147,7 +129,7 @@ int main(int argc, char** argv) {
   struct Config {
     std::string name;
     std::function<void()> step;
-    Timing timing;
+    bench::Timing timing;
   };
   std::vector<Config> configs;
   configs.push_back({"gpipe Pipe (K=4, M=32)", [&] { pipe->forward(x).sum().backward(); }, {}});

@@ -59,23 +59,6 @@ void add_pairs(torch::nn::Sequential& seq, int64_t pairs, int64_t hidden) {
   }
 }
 
-struct Timing {
-  std::vector<double> wall;
-  double cpu = 0;
-  void run(const std::function<void()>& step) {
-    const double cpu_start = bench::process_cpu_seconds();
-    const auto start = bench::Clock::now();
-    step();
-    wall.push_back(bench::seconds_since(start));
-    cpu += bench::process_cpu_seconds() - cpu_start;
-  }
-  double cores() const {
-    double sum = 0;
-    for (double w : wall) sum += w;
-    return sum > 0 ? cpu / sum : 0;
-  }
-};
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -167,7 +150,7 @@ int main(int argc, char** argv) {
     plain2_step();
     loop_step();
   }
-  Timing t_pipe, t_plain1, t_plain2, t_loop;
+  bench::Timing t_pipe, t_plain1, t_plain2, t_loop;
   for (int i = 0; i < reps; ++i) {
     t_pipe.run(pipe_step);
     t_plain1.run(plain1_step);
