@@ -1,6 +1,7 @@
 """Shared test helpers: seeding, exact comparisons against a plain copy, hang timeouts."""
 import copy
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import pytest
@@ -157,3 +158,16 @@ class _CountBackward(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:  # type: ignore[override]
         ctx.counter.backwards += 1
         return grad, None
+
+
+class Sleep(nn.Module):
+    """Sleeps ``seconds`` in forward, then scales by a parameter (so backward reaches it)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        time.sleep(self.seconds)
+        return x * self.scale

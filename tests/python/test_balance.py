@@ -2,7 +2,6 @@
 import copy
 import itertools
 import random
-import time
 from typing import List, Sequence
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 from torch import nn
 
 import gpipe
+from conftest import Sleep
 from gpipe.balance import balance_by_params, balance_by_size, balance_by_time, balance_cost
 
 CPU = torch.device("cpu")
@@ -61,17 +61,6 @@ def test_balance_by_params():
     model = nn.Sequential(nn.Linear(100, 100), nn.Linear(10, 10), nn.Linear(10, 10),
                           nn.Linear(10, 10), nn.ReLU())
     assert balance_by_params(2, model) == [1, 4]
-
-
-class Sleep(nn.Module):
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
-        self.scale = nn.Parameter(torch.ones(1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.seconds)
-        return x * self.scale
 
 
 def test_balance_by_time_puts_the_slow_layer_alone():

@@ -1,25 +1,12 @@
 """Tracing from Python: gpipe.tracing, Pipe(trace=True), Chrome JSON, the summary and plot_timeline."""
 import json
-import time
 
 import pytest
 import torch
 from torch import nn
 
 import gpipe
-
-
-class Sleep(nn.Module):
-    """Sleeps in forward; a parameter makes backward reach it."""
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
-        self.scale = nn.Parameter(torch.ones(1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.seconds)
-        return x * self.scale
+from conftest import Sleep
 
 
 def _model() -> nn.Sequential:
