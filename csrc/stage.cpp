@@ -224,10 +224,10 @@ void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
     }
   } restore{generators_, live};
 
-  // A layer that works in place would spoil the saved input for a second
-  // backward (retain_graph): give it a copy.
   at::ThreadLocalStateGuard first_forward(forward_state);
   at::AutoGradMode grad(true);  // backward runs with grad mode off
+  // A layer that works in place would spoil the saved input for a second
+  // backward (retain_graph): give it a copy.
   const Batch& source = cell.saved;
   auto entry = enter(mutates_input_.load() == kMutates ? cloned(source) : source,
                      cell.saved_requires_grad);
