@@ -19,6 +19,23 @@ HANG_TIMEOUT = 60.0
 TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
 
 
+#: Every checkpoint mode.
+MODES = ["always", "except_last", "never"]
+
+
+def mlp() -> nn.Sequential:
+    """Seven float64 layers; the in-place ReLUs at 1 and 5 open a stage under several balances."""
+    return nn.Sequential(
+        nn.Linear(5, 8),          # 0
+        nn.ReLU(inplace=True),    # 1
+        nn.Linear(8, 8),          # 2
+        nn.GELU(),                # 3
+        nn.LayerNorm(8),          # 4
+        nn.ReLU(inplace=True),    # 5
+        nn.Linear(8, 3),          # 6
+    ).double()
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
@@ -171,3 +188,51 @@ class Sleep(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         time.sleep(self.seconds)
         return x * self.scale
+
+
+# -- layers that fail --------------------------------------------------------------------------
+
+class MyError(Exception):
+    pass
+
+
+class RaiseOnMicrobatch(nn.Module):
+    """Identity that raises ``error`` on its ``n``-th forward call (micro-batch n of a
+    first forward) while armed."""
+
+    def __init__(self, error: BaseException, n: int) -> None:
+        super().__init__()
+        self.error, self.n, self.calls, self.armed = error, n, 0, True
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.armed and self.calls == self.n + 1:
+            raise self.error
+        return x
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, owner: "RaiseInBackward") -> Tensor:  # type: ignore[override]
+        ctx.owner = owner
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:  # type: ignore[override]
+        ctx.owner.backwards += 1
+        if ctx.owner.armed:
+            raise ctx.owner.error
+        return grad, None
+
+
+class RaiseInBackward(nn.Module):
+    """Identity whose backward raises ``error`` while armed; counts its backwards."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+        self.armed = True
+        self.backwards = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _RaiseInBackward.apply(x, self)

@@ -8,9 +8,7 @@ import torch
 from torch import nn
 
 import gpipe
-from conftest import Counter, assert_close, assert_same_grads
-
-MODES = ["always", "except_last", "never"]
+from conftest import MODES, Counter, assert_close, assert_same_grads
 
 FIRST = (True, False)      # (is_checkpointing, is_recomputing) in a checkpointed first forward
 RECOMPUTE = (False, True)  # ... in a recompute

@@ -18,26 +18,13 @@ import torch
 from torch import Tensor, nn
 
 import gpipe
-from conftest import TOL, call_with_timeout, notes, raises_within_timeout
+from conftest import (MODES, TOL, MyError, RaiseInBackward, RaiseOnMicrobatch, call_with_timeout,
+                      mlp, notes, raises_within_timeout)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
-MODES = ["always", "except_last", "never"]
 CPU = torch.device("cpu")
 GPU = torch.device("cuda", 0)
-
-
-def mlp() -> nn.Sequential:
-    """Seven float64 layers; the in-place ReLUs at 1 and 5 open a stage under the balances used."""
-    return nn.Sequential(
-        nn.Linear(5, 8),          # 0
-        nn.ReLU(inplace=True),    # 1
-        nn.Linear(8, 8),          # 2
-        nn.GELU(),                # 3
-        nn.LayerNorm(8),          # 4
-        nn.ReLU(inplace=True),    # 5
-        nn.Linear(8, 3),          # 6
-    ).double()
 
 
 def diff(a: Tensor, b: Tensor) -> float:
@@ -241,47 +228,6 @@ def test_many_microbatches_without_synchronisation(checkpoint):
 
 
 # -- failures -------------------------------------------------------------------------
-
-class MyError(Exception):
-    pass
-
-
-class RaiseOnMicrobatch(nn.Module):
-    """Identity that raises ``error`` on its ``n``-th forward call (micro-batch n of a
-    first forward) while armed."""
-
-    def __init__(self, error: BaseException, n: int) -> None:
-        super().__init__()
-        self.error, self.n, self.calls, self.armed = error, n, 0, True
-
-    def forward(self, x: Tensor) -> Tensor:
-        self.calls += 1
-        if self.armed and self.calls == self.n + 1:
-            raise self.error
-        return x
-
-
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, owner: "RaiseInBackward") -> Tensor:  # type: ignore[override]
-        ctx.owner = owner
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
-        if ctx.owner.armed:
-            raise ctx.owner.error
-        return grad, None
-
-
-class RaiseInBackward(nn.Module):
-    def __init__(self, error: BaseException) -> None:
-        super().__init__()
-        self.error, self.armed = error, True
-
-    def forward(self, x: Tensor) -> Tensor:
-        return _RaiseInBackward.apply(x, self)
-
 
 def three_gpu_stages(middle: nn.Module) -> nn.Sequential:
     """Stage 0: Linear; stage 1: Linear, ``middle``; stage 2: Linear (float64)."""

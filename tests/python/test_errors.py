@@ -7,8 +7,8 @@ import torch
 from torch import Tensor, nn
 
 import gpipe
-from conftest import (Counter, assert_same_grads, call_with_timeout, compare_with_plain, notes,
-                      raises_within_timeout)
+from conftest import (Counter, MyError, RaiseInBackward, RaiseOnMicrobatch, assert_same_grads,
+                      call_with_timeout, compare_with_plain, notes, raises_within_timeout)
 
 
 def model(n: int = 4) -> nn.Sequential:
@@ -122,35 +122,6 @@ class Raise(nn.Module):
         return x
 
 
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, owner: "RaiseInBackward") -> Tensor:  # type: ignore[override]
-        ctx.owner = owner
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:  # type: ignore[override]
-        ctx.owner.backwards += 1
-        if ctx.owner.armed:
-            raise ctx.owner.error
-        return grad, None
-
-
-class RaiseInBackward(nn.Module):
-    def __init__(self, error: BaseException) -> None:
-        super().__init__()
-        self.error = error
-        self.armed = True
-        self.backwards = 0
-
-    def forward(self, x: Tensor) -> Tensor:
-        return _RaiseInBackward.apply(x, self)
-
-
-class MyError(Exception):
-    pass
-
-
 def three_stages(middle: nn.Module) -> Tuple[nn.Sequential, Counter, Counter]:
     """Stage 0: Linear, Counter; stage 1: Linear, ``middle``; stage 2: Counter, Linear."""
     first, last = Counter(), Counter()
@@ -197,20 +168,6 @@ def test_forward_error_is_the_layers_own(error_type, checkpoint):
     assert last.forwards == []
     assert 1 <= len(first.forwards) <= 4
     check_pipe_still_works(pipe, ref)
-
-
-class RaiseOnMicrobatch(nn.Module):
-    """Raises ``error`` on its ``n``-th call (micro-batch n of a first forward)."""
-
-    def __init__(self, error: BaseException, n: int) -> None:
-        super().__init__()
-        self.error, self.n, self.calls = error, n, 0
-
-    def forward(self, x: Tensor) -> Tensor:
-        self.calls += 1
-        if self.calls == self.n + 1:
-            raise self.error
-        return x
 
 
 def test_forward_error_on_a_later_microbatch():

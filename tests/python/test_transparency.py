@@ -8,24 +8,8 @@ import torch
 from torch import Tensor, nn
 
 import gpipe
-from conftest import (TOL, TensorOrTensors, assert_close, assert_same_grads, compare_with_plain,
-                      leaf_copy, output_weights, weighted_loss)
-
-MODES = ["always", "except_last", "never"]
-
-
-def mlp() -> nn.Sequential:
-    """Seven layers; the in-place ReLUs at 1 and 5 open a stage under several balances."""
-    return nn.Sequential(
-        nn.Linear(5, 8),          # 0
-        nn.ReLU(inplace=True),    # 1
-        nn.Linear(8, 8),          # 2
-        nn.GELU(),                # 3
-        nn.LayerNorm(8),          # 4
-        nn.ReLU(inplace=True),    # 5
-        nn.Linear(8, 3),          # 6
-    ).double()
-
+from conftest import (MODES, TOL, TensorOrTensors, assert_close, assert_same_grads,
+                      compare_with_plain, leaf_copy, mlp, output_weights, weighted_loss)
 
 # [7]: a single stage; [1]*7: one layer per stage; [1, 6], [1, 4, 2] and
 # [3, 2, 2]: an in-place ReLU is the first layer of a stage.
