@@ -327,6 +327,20 @@ class ThrowerImpl : public torch::nn::Cloneable<ThrowerImpl>, public BackwardLis
 };
 TORCH_MODULE(Thrower);
 
+/// `stages` stages of [MarkedLinear, Thrower(j)] (balance 2 per stage): real
+/// parameters, and the marker in column 0 survives to tell each Thrower its
+/// micro-batch.
+inline torch::nn::Sequential faulty_model(const std::shared_ptr<FaultPlan>& plan,
+                                          int64_t stages) {
+  torch::manual_seed(4);
+  torch::nn::Sequential model;
+  for (int64_t j = 0; j < stages; ++j) {
+    model->push_back(MarkedLinear(5, 5));
+    model->push_back(Thrower(j, plan));
+  }
+  return model;
+}
+
 // ---- running without hanging ---------------------------------------------------------
 
 /// Runs `fn` on another thread and returns its result (or rethrows its

@@ -57,10 +57,8 @@ using gpipe_test::FaultPlan;
 using gpipe_test::inplace_mlp;
 using gpipe_test::kTolerance;
 using gpipe_test::marked_input;
-using gpipe_test::MarkedLinear;
 using gpipe_test::phase_word;
 using gpipe_test::randn64;
-using gpipe_test::Thrower;
 using gpipe_test::within_deadline;
 using gpipe_test::zero_grads;
 
@@ -198,16 +196,9 @@ int64_t step_peak_bytes(Checkpoint mode) {
 constexpr int64_t kFaultStages = 3;
 constexpr int64_t kFaultMicrobatches = 4;
 
-// Stage j is [MarkedLinear, Thrower(j)] on cuda:0 (see models.h: the marker
-// in column 0 tells each Thrower its micro-batch).
+// Stage j is [MarkedLinear, Thrower(j)] on cuda:0 (see models.h).
 torch::nn::Sequential faulty_model(const std::shared_ptr<FaultPlan>& plan) {
-  torch::manual_seed(4);
-  torch::nn::Sequential model;
-  for (int64_t j = 0; j < kFaultStages; ++j) {
-    model->push_back(MarkedLinear(5, 5));
-    model->push_back(Thrower(j, plan));
-  }
-  return model;
+  return gpipe_test::faulty_model(plan, kFaultStages);
 }
 
 gpipe::Pipe faulty_pipe(torch::nn::Sequential model, Checkpoint mode) {

@@ -22,10 +22,8 @@ using gpipe_test::FaultPhase;
 using gpipe_test::FaultPlan;
 using gpipe_test::kTolerance;
 using gpipe_test::marked_input;
-using gpipe_test::MarkedLinear;
 using gpipe_test::max_abs_diff;
 using gpipe_test::phase_word;
-using gpipe_test::Thrower;
 using gpipe_test::within_deadline;
 using gpipe_test::zero_grads;
 
@@ -34,16 +32,8 @@ namespace {
 constexpr int64_t kStages = 3;
 constexpr int64_t kMicrobatches = 4;
 
-// Stage j is [MarkedLinear, Thrower(j)]: real parameters, and the marker in
-// column 0 survives to tell each Thrower its micro-batch.
 torch::nn::Sequential faulty_model(const std::shared_ptr<FaultPlan>& plan) {
-  torch::manual_seed(4);
-  torch::nn::Sequential model;
-  for (int64_t j = 0; j < kStages; ++j) {
-    model->push_back(MarkedLinear(5, 5));
-    model->push_back(Thrower(j, plan));
-  }
-  return model;
+  return gpipe_test::faulty_model(plan, kStages);
 }
 
 gpipe::Pipe faulty_pipe(torch::nn::Sequential model, Checkpoint mode) {
