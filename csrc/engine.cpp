@@ -90,10 +90,8 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
 }
 
 std::vector<Payload> Engine::execute(const Schedule& schedule, std::vector<Payload> sources,
-                                     const CellFn& cell, bool inline_run) {
-  // Workers run with the caller's thread-local state: grad mode, inference
-  // mode, autocast and the rest.
-  const at::ThreadLocalState state;
+                                     const CellFn& cell, const at::ThreadLocalState& state,
+                                     bool inline_run) {
   try {
     return executor_.run(schedule, std::move(sources), cell, state, inline_run);
   } catch (const CellError& e) {
@@ -152,7 +150,10 @@ Batch Engine::forward(const Batch& input, bool training) {
     span.finish();
     return Payload{std::move(y), mark(stage.lane().compute)};
   };
-  auto sinks = execute(gpipe_forward(k, m), std::move(sources), cell, /*inline_run=*/false);
+  // The one capture of the caller's state serves the forward cells and,
+  // later, the recomputes.
+  auto sinks = execute(gpipe_forward(k, m), std::move(sources), cell, *run->forward_state,
+                       /*inline_run=*/false);
 
   std::vector<Batch> outputs;
   outputs.reserve(sinks.size());
@@ -240,7 +241,8 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
   for (const auto& g : grads) {
     if (g.defined() && !g.device().is_cpu()) on_device_thread = true;
   }
-  auto sinks = execute(gpipe_backward(k, m), std::move(sources), cell, on_device_thread);
+  const at::ThreadLocalState state;
+  auto sinks = execute(gpipe_backward(k, m), std::move(sources), cell, state, on_device_thread);
 
   std::vector<Batch> parts;
   parts.reserve(sinks.size());

@@ -73,8 +73,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   Tracer& tracer() noexcept { return tracer_; }
 
  private:
+  /// Runs `schedule` on the workers, which run with `state`: the caller's
+  /// thread-local state (grad mode, inference mode, autocast and the rest).
   std::vector<Payload> execute(const Schedule& schedule, std::vector<Payload> sources,
-                               const CellFn& cell, bool inline_run);
+                               const CellFn& cell, const at::ThreadLocalState& state,
+                               bool inline_run);
 
   std::vector<std::unique_ptr<Stage>> stages_;
   Executor executor_;
