@@ -6,9 +6,18 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <chrono>
 #include <optional>
 
 namespace gpipe::detail {
+
+namespace {
+
+// How long a worker spins for its next input before it parks: about what
+// parking and waking a thread costs on a VM (futex, context switches).
+constexpr std::chrono::microseconds kSpin{50};
+
+}  // namespace
 
 // The shared state of one `run` call. Lives on the caller's stack; workers
 // only touch it between picking up their job and reporting it done.
@@ -18,11 +27,20 @@ struct Executor::Run {
   int64_t stages = 0;
   int64_t microbatches = 0;
 
+  // One hand-over: written once by the neighbour, read once by the stage.
+  // `full` publishes `payload` (release) to the reader (acquire).
+  struct Slot {
+    std::optional<Payload> payload;
+    std::atomic<bool> full{false};
+  };
   // Inbox of each stage: per phase and micro-batch, the payload handed over.
+  // The stage's worker spins briefly for an input before it parks on
+  // `arrived`; a sender takes the mutex and notifies only when it is parked.
   struct Inbox {
     std::mutex mutex;
     std::condition_variable arrived;
-    std::vector<std::optional<Payload>> slots[2];
+    std::atomic<int> parked{0};
+    std::vector<Slot> slots[2];
   };
   std::vector<Inbox> inbox;
   std::vector<Payload> sinks;
@@ -39,28 +57,50 @@ struct Executor::Run {
         inbox(static_cast<size_t>(stages)),
         sinks(static_cast<size_t>(s.microbatches)) {
     for (auto& box : inbox) {
-      for (auto& phase : box.slots) phase.resize(static_cast<size_t>(microbatches));
+      for (auto& phase : box.slots) phase = std::vector<Slot>(static_cast<size_t>(microbatches));
     }
+  }
+
+  Slot& slot(int64_t stage, Phase phase, int64_t microbatch) {
+    return inbox[static_cast<size_t>(stage)]
+        .slots[static_cast<int>(phase)][static_cast<size_t>(microbatch)];
   }
 
   void put(int64_t stage, Phase phase, int64_t microbatch, Payload payload) {
     auto& box = inbox[static_cast<size_t>(stage)];
-    {
-      std::lock_guard<std::mutex> hold(box.mutex);
-      box.slots[static_cast<int>(phase)][static_cast<size_t>(microbatch)] = std::move(payload);
+    auto& s = slot(stage, phase, microbatch);
+    s.payload = std::move(payload);
+    // seq_cst pairs with the parking worker's increment of `parked` and its
+    // check of `full`: either it sees the payload or we see it parked.
+    s.full.store(true);
+    if (box.parked.load() > 0) {
+      // Taking the mutex orders the store before the worker's wait.
+      { std::lock_guard<std::mutex> hold(box.mutex); }
+      box.arrived.notify_all();
     }
-    box.arrived.notify_one();
   }
 
-  // Waits for the input of (stage, phase, microbatch); nullopt when cancelled.
+  // Waits for the input of (stage, phase, microbatch); nullopt when
+  // cancelled. Cells on CPU can be tens of microseconds, less than waking a
+  // parked thread takes, so the worker first spins (yielding its core to
+  // any other runnable thread) for a short while.
   std::optional<Payload> take(int64_t stage, Phase phase, int64_t microbatch) {
     auto& box = inbox[static_cast<size_t>(stage)];
-    auto& slot = box.slots[static_cast<int>(phase)][static_cast<size_t>(microbatch)];
-    std::unique_lock<std::mutex> hold(box.mutex);
-    box.arrived.wait(hold, [&] { return slot.has_value() || cancelled.load(); });
-    if (!slot.has_value()) return std::nullopt;
-    std::optional<Payload> out = std::move(slot);
-    slot.reset();
+    auto& s = slot(stage, phase, microbatch);
+    auto arrived = [&] { return s.full.load() || cancelled.load(); };
+    if (!arrived()) {
+      const auto until = std::chrono::steady_clock::now() + kSpin;
+      while (!arrived() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    }
+    if (!arrived()) {
+      std::unique_lock<std::mutex> hold(box.mutex);
+      box.parked.fetch_add(1);
+      box.arrived.wait(hold, arrived);
+      box.parked.fetch_sub(1);
+    }
+    if (!s.full.load()) return std::nullopt;
+    std::optional<Payload> out = std::move(s.payload);
+    s.payload.reset();
     return out;
   }
 
