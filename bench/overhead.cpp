@@ -22,7 +22,10 @@
 //     node (gpipe's stage boundary), and one torch::autograd::backward per
 //     cell, in the GPipe backward order. Pipe minus this is the cost of the
 //     workers: hand-offs, wake-ups, thread-local state, cross-thread frees.
-// Steps of all four are interleaved, so noise hits them alike; "cores used"
+//   * tracing on: a second, identical Pipe with tracing on (its trace
+//     cleared at the start of each step): what recording every cell costs.
+//     Off, tracing is one relaxed atomic load per cell, so this bounds it.
+// Steps of all five are interleaved, so noise hits them alike; "cores used"
 // is process CPU time over wall time while each one ran.
 #include <gpipe/gpipe.h>
 
@@ -123,6 +126,13 @@ int main(int argc, char** argv) {
                        .devices(std::vector<c10::Device>(static_cast<size_t>(k), torch::kCPU))
                        .chunks(m)
                        .checkpoint(gpipe::Checkpoint::Never));
+  gpipe::Pipe traced(tiny(k * per_stage),
+                     gpipe::PipeOptions()
+                         .balance(std::vector<int64_t>(static_cast<size_t>(k), per_stage))
+                         .devices(std::vector<c10::Device>(static_cast<size_t>(k), torch::kCPU))
+                         .chunks(m)
+                         .checkpoint(gpipe::Checkpoint::Never)
+                         .trace(true));
   const auto x = torch::randn({batch, 16});
   const auto pieces = x.chunk(m, 0);
 
@@ -144,6 +154,12 @@ int main(int argc, char** argv) {
                      },
                      {}});
   configs.push_back({"gpipe's cells in series, 1 thread", [&] { serial.step(pieces); }, {}});
+  configs.push_back({"gpipe Pipe, tracing on",
+                     [&] {
+                       traced->clear_trace();
+                       traced->forward(x).sum().backward();
+                     },
+                     {}});
 
   for (int i = 0; i < warmup; ++i) {
     for (auto& c : configs) c.step();
@@ -181,7 +197,11 @@ int main(int argc, char** argv) {
       per_cell(med[2] - med[1]), per_cell(med[3] - med[2]), per_cell(med[0] - med[3]),
       per_cell(configs[0].timing.cpu / static_cast<double>(reps) -
                configs[3].timing.cpu / static_cast<double>(reps)));
-  std::printf("BENCH overhead us_per_cell=%.2f us_per_cell_vs_microbatched=%.2f\n", us_per_cell,
-              us_per_cell_mb);
+  std::printf("tracing on costs %.2f us per cell (traced Pipe - Pipe)\n\n",
+              per_cell(med[4] - med[0]));
+  std::printf(
+      "BENCH overhead us_per_cell=%.2f us_per_cell_vs_microbatched=%.2f "
+      "tracing_on_us_per_cell=%.2f\n",
+      us_per_cell, us_per_cell_mb, per_cell(med[4] - med[0]));
   return 0;
 }
