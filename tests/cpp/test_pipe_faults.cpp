@@ -7,10 +7,12 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cstdint>
 #include <exception>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 using Catch::Contains;
 using gpipe::Checkpoint;
@@ -24,6 +26,7 @@ using gpipe_test::kTolerance;
 using gpipe_test::marked_input;
 using gpipe_test::max_abs_diff;
 using gpipe_test::phase_word;
+using gpipe_test::Sleep;
 using gpipe_test::within_deadline;
 using gpipe_test::zero_grads;
 
@@ -123,6 +126,36 @@ TEST_CASE("faults: a throw in any backward cell names it", "[faults]") {
 
 TEST_CASE("faults: a throw in any recompute names it", "[faults]") {
   check_fault(FaultPhase::Recompute, Checkpoint::Always);
+}
+
+TEST_CASE("faults: workers parked for their input wake up when another stage fails", "[faults]") {
+  // The failing stage naps 20 ms per cell before its layers run: every
+  // other stage waits for it far longer than a worker spins, so it parks
+  // (forward: the stages after it; backward: the stages before it), and
+  // only the failure can wake it.
+  const auto phase = GENERATE(FaultPhase::Forward, FaultPhase::Backward);
+  const int64_t stage = phase == FaultPhase::Forward ? 0 : kStages - 1;
+  CAPTURE(phase_word(phase), stage);
+  auto plan = std::make_shared<FaultPlan>();
+  torch::manual_seed(4);
+  torch::nn::Sequential model;
+  std::vector<int64_t> balance;
+  for (int64_t j = 0; j < kStages; ++j) {
+    if (j == stage) {
+      model->push_back(
+          Sleep(j, std::make_shared<gpipe_test::CellLog>(), std::chrono::milliseconds(20)));
+    }
+    model->push_back(gpipe_test::MarkedLinear(5, 5));
+    model->push_back(gpipe_test::Thrower(j, plan));
+    balance.push_back(j == stage ? 3 : 2);
+  }
+  auto ref = deep_copy(model);
+  gpipe::Pipe pipe(model, PipeOptions().balance(balance).chunks(kMicrobatches));
+
+  plan->arm(stage, 1, phase);
+  const auto x = marked_input(8, 6, kMicrobatches).requires_grad_(true);
+  check_cell_error(step(pipe, x), stage, 1, phase);
+  check_recovered(pipe, ref, *plan);
 }
 
 TEST_CASE("faults: a shape error in a later stage names the stage", "[faults]") {
