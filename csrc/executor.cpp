@@ -28,7 +28,7 @@ struct Executor::Run {
   int64_t microbatches = 0;
 
   // One hand-over: written once by the neighbour, read once by the stage.
-  // `full` publishes `payload` (release) to the reader (acquire).
+  // Setting `full` (after the payload is written) publishes `payload`.
   struct Slot {
     std::optional<Payload> payload;
     std::atomic<bool> full{false};

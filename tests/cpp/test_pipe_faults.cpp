@@ -129,10 +129,10 @@ TEST_CASE("faults: a throw in any recompute names it", "[faults]") {
 }
 
 TEST_CASE("faults: workers parked for their input wake up when another stage fails", "[faults]") {
-  // The failing stage naps 20 ms per cell before its layers run: every
-  // other stage waits for it far longer than a worker spins, so it parks
-  // (forward: the stages after it; backward: the stages before it), and
-  // only the failure can wake it.
+  // The failing stage naps 20 ms per cell: the others wait for it far
+  // longer than a worker spins, so they park (forward: the stages after
+  // it; backward: the stages before it), and only the failure can wake
+  // them.
   const auto phase = GENERATE(FaultPhase::Forward, FaultPhase::Backward);
   const int64_t stage = phase == FaultPhase::Forward ? 0 : kStages - 1;
   CAPTURE(phase_word(phase), stage);
