@@ -358,4 +358,29 @@ auto within_deadline(Fn&& fn, std::chrono::seconds limit = std::chrono::seconds(
   return result.get();
 }
 
+/// A training step on `x` that is meant to fail, then `pipe` dropped: the
+/// seconds the drop took, all under the hang deadline. With `keep_output` a
+/// failed backward's output (whose graph still refers to the engine) lives
+/// until after the drop.
+inline double seconds_to_drop_after_failure(gpipe::Pipe& pipe, const torch::Tensor& x,
+                                            bool keep_output,
+                                            std::chrono::seconds limit = std::chrono::seconds(60)) {
+  return within_deadline(
+      [&] {
+        // A failed forward leaves no output; a failed backward may leave one.
+        torch::Tensor out;
+        try {
+          out = pipe->forward(x);
+          out.sum().backward({}, /*retain_graph=*/keep_output);
+        } catch (const gpipe::CellError&) {
+        }
+        if (!keep_output) out = torch::Tensor();
+        const auto start = Clock::now();
+        pipe = gpipe::Pipe(nullptr);
+        out = torch::Tensor();
+        return std::chrono::duration<double>(Clock::now() - start).count();
+      },
+      limit);
+}
+
 }  // namespace gpipe_test

@@ -50,7 +50,6 @@
 using Catch::Contains;
 using gpipe::Checkpoint;
 using gpipe::PipeOptions;
-using gpipe_test::Clock;
 using gpipe_test::deep_copy;
 using gpipe_test::FaultPhase;
 using gpipe_test::FaultPlan;
@@ -496,21 +495,8 @@ TEST_CASE("cuda: destroying a Pipe on cuda:0 right after a failure returns promp
   plan->arm(2, 1, phase);
   const auto x = marked_input(8, 6, kFaultMicrobatches).to(kGpu).requires_grad_(true);
 
-  const double seconds = within_deadline(
-      [&] {
-        torch::Tensor out;
-        try {
-          out = pipe->forward(x);
-          out.sum().backward({}, /*retain_graph=*/keep_output);
-        } catch (const gpipe::CellError&) {
-        }
-        if (!keep_output) out = torch::Tensor();
-        const auto start = Clock::now();
-        pipe = gpipe::Pipe(nullptr);
-        out = torch::Tensor();
-        return std::chrono::duration<double>(Clock::now() - start).count();
-      },
-      kDeadline);
+  const double seconds =
+      gpipe_test::seconds_to_drop_after_failure(pipe, x, keep_output, kDeadline);
   CHECK(pipe.is_empty());
   CHECK(seconds < 5.0);
 }
