@@ -13,6 +13,8 @@ import gpipe
 #: Transparency tolerance in float64 (DESIGN.md section 2). Never loosen it.
 TOL = 1e-10
 
+CPU = torch.device("cpu")
+
 #: Seconds any single Pipe call may take before a test calls it a hang.
 HANG_TIMEOUT = 60.0
 
@@ -53,12 +55,13 @@ def leaf_copy(x: TensorOrTensors) -> TensorOrTensors:
 
 
 def max_diff(a: Optional[Tensor], b: Optional[Tensor]) -> float:
+    """Largest elementwise difference, compared on the CPU (a and b may live on different devices)."""
     assert a is not None and b is not None, "one side has no tensor (missing grad?)"
     assert a.shape == b.shape, f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
     assert a.dtype == b.dtype, f"dtypes differ: {a.dtype} vs {b.dtype}"
     if a.numel() == 0:
         return 0.0
-    return (a.detach().double() - b.detach().double()).abs().max().item()
+    return (a.detach().cpu().double() - b.detach().cpu().double()).abs().max().item()
 
 
 def assert_close(a: TensorOrTensors, b: TensorOrTensors, tol: float = TOL, what: str = "") -> None:
@@ -140,12 +143,39 @@ def call_with_timeout(fn: Callable[[], Any], timeout: float = HANG_TIMEOUT) -> D
     return outcome
 
 
+def result(fn: Callable[[], Any]) -> Any:
+    """``fn()`` under the hang timeout; its exception, if any, is raised here."""
+    outcome = call_with_timeout(fn)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
 def raises_within_timeout(fn: Callable[[], Any], timeout: float = HANG_TIMEOUT) -> BaseException:
     """The exception ``fn`` raises (in a thread, with a hang timeout); fails if none."""
     outcome = call_with_timeout(fn, timeout)
     if "error" not in outcome:
         pytest.fail(f"expected an exception, got the result {outcome.get('result')!r}")
     return outcome["error"]
+
+
+def check_recovers(pipe: gpipe.Pipe, ref: nn.Sequential, device: torch.device = CPU) -> None:
+    """After a failure: disarmed, the same Pipe is transparent again (input on ``device``,
+    7 rows: an uneven last micro-batch for 4 chunks)."""
+    for m in list(pipe) + list(ref):
+        if hasattr(m, "armed"):
+            m.armed = False
+    pipe.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    x = torch.randn(7, 3, dtype=torch.float64, device=device)
+    x_pipe, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = result(lambda: pipe(x_pipe))
+    want = ref(x_ref)
+    assert max_diff(out, want) <= TOL
+    result(lambda: out.pow(2).sum().backward())
+    want.pow(2).sum().backward()
+    assert max_diff(x_pipe.grad, x_ref.grad) <= TOL
+    assert_same_grads(pipe, ref)
 
 
 def notes(e: BaseException) -> str:

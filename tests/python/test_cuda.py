@@ -11,46 +11,20 @@ autograd engine's cuda:0 thread, which every stage's own backward also needs
 """
 import copy
 import time
-from typing import Any, Callable, List
+from typing import Any, List
 
 import pytest
 import torch
 from torch import Tensor, nn
 
 import gpipe
-from conftest import (MODES, TOL, MyError, RaiseInBackward, RaiseOnMicrobatch, call_with_timeout,
-                      mlp, notes, raises_within_timeout)
+from conftest import (CPU, MODES, TOL, MyError, RaiseInBackward, RaiseOnMicrobatch,
+                      assert_same_grads, check_recovers, max_diff, mlp, notes, raises_within_timeout,
+                      result)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
-CPU = torch.device("cpu")
 GPU = torch.device("cuda", 0)
-
-
-def diff(a: Tensor, b: Tensor) -> float:
-    """Largest elementwise difference, compared on the CPU (a and b may be on different devices)."""
-    assert a is not None and b is not None, "one side has no tensor (missing grad?)"
-    assert a.shape == b.shape, f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
-    if a.numel() == 0:
-        return 0.0
-    return (a.detach().cpu().double() - b.detach().cpu().double()).abs().max().item()
-
-
-def assert_same_grads_anywhere(pipe: nn.Module, ref: nn.Module) -> None:
-    got, want = dict(pipe.named_parameters()), dict(ref.named_parameters())
-    assert list(got) == list(want)
-    for name, p in want.items():
-        assert p.grad is not None and got[name].grad is not None, f"{name}: missing grad"
-        d = diff(got[name].grad, p.grad)
-        assert d <= TOL, f"grad of {name}: max difference {d:.3e} > {TOL:.0e}"
-
-
-def result(fn: Callable[[], Any]) -> Any:
-    """``fn()`` under the hang timeout; its exception, if any, is raised here."""
-    outcome = call_with_timeout(fn)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
 
 
 def check_step(pipe: gpipe.Pipe, ref: nn.Sequential, x: Tensor, ref_device: torch.device,
@@ -73,12 +47,12 @@ def check_step(pipe: gpipe.Pipe, ref: nn.Sequential, x: Tensor, ref_device: torc
     (want * weight.to(ref_device)).sum().backward()
 
     assert out.device == out_device
-    d = diff(out, want)
+    d = max_diff(out, want)
     assert d <= TOL, f"output: max difference {d:.3e}"
     assert x_pipe.grad is not None and x_pipe.grad.device == x_pipe.device
-    d = diff(x_pipe.grad, x_ref.grad)
+    d = max_diff(x_pipe.grad, x_ref.grad)
     assert d <= TOL, f"input grad: max difference {d:.3e}"
-    assert_same_grads_anywhere(pipe, ref)
+    assert_same_grads(pipe, ref)
 
 
 # -- one GPU: separate streams, events, the deadlock rule ---------------------
@@ -114,9 +88,9 @@ def test_one_gpu_inference(checkpoint):
 
     out = result(infer)
     assert not out.requires_grad
-    assert diff(out, want) <= TOL
+    assert max_diff(out, want) <= TOL
     pipe.eval()
-    assert diff(result(lambda: pipe(x)), want) <= TOL
+    assert max_diff(result(lambda: pipe(x)), want) <= TOL
 
 
 # -- CPU and GPU mixed ----------------------------------------------------------
@@ -222,9 +196,9 @@ def test_many_microbatches_without_synchronisation(checkpoint):
         x_ref = x.clone().requires_grad_()
         want = ref(x_ref)
         want.pow(2).sum().backward()
-        assert diff(out, want) <= TOL, f"step {k}: output"
-        assert diff(grad, x_ref.grad) <= TOL, f"step {k}: input grad"
-    assert_same_grads_anywhere(pipe, ref)
+        assert max_diff(out, want) <= TOL, f"step {k}: output"
+        assert max_diff(grad, x_ref.grad) <= TOL, f"step {k}: input grad"
+    assert_same_grads(pipe, ref)
 
 
 # -- failures -------------------------------------------------------------------------
@@ -232,23 +206,6 @@ def test_many_microbatches_without_synchronisation(checkpoint):
 def three_gpu_stages(middle: nn.Module) -> nn.Sequential:
     """Stage 0: Linear; stage 1: Linear, ``middle``; stage 2: Linear (float64)."""
     return nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), middle, nn.Linear(3, 3)).double()
-
-
-def check_recovers(pipe: gpipe.Pipe, ref: nn.Sequential) -> None:
-    for m in list(pipe) + list(ref):
-        if hasattr(m, "armed"):
-            m.armed = False
-    pipe.zero_grad(set_to_none=True)
-    ref.zero_grad(set_to_none=True)
-    x = torch.randn(8, 3, dtype=torch.float64, device=GPU)
-    x_pipe, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out = result(lambda: pipe(x_pipe))
-    result(lambda: out.pow(2).sum().backward())
-    want = ref(x_ref)
-    want.pow(2).sum().backward()
-    assert diff(out, want) <= TOL
-    assert diff(x_pipe.grad, x_ref.grad) <= TOL
-    assert_same_grads_anywhere(pipe, ref)
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
@@ -262,7 +219,7 @@ def test_forward_error_in_a_cuda_stage_is_the_layers_own(checkpoint):
     assert raised is err
     text = notes(raised)
     assert "stage 1" in text and "micro-batch 2" in text and "forward" in text, text
-    check_recovers(pipe, ref)
+    check_recovers(pipe, ref, GPU)
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
@@ -280,7 +237,7 @@ def test_backward_error_in_a_cuda_stage_is_the_layers_own(checkpoint):
     # Backward runs micro-batches last to first: stage 1 fails on 3.
     assert "stage 1" in text and "micro-batch 3" in text and "backward" in text, text
     del out
-    check_recovers(pipe, ref)
+    check_recovers(pipe, ref, GPU)
 
 
 def test_destroying_cuda_pipes_never_blocks():

@@ -7,8 +7,8 @@ import torch
 from torch import Tensor, nn
 
 import gpipe
-from conftest import (Counter, MyError, RaiseInBackward, RaiseOnMicrobatch, assert_same_grads,
-                      call_with_timeout, compare_with_plain, notes, raises_within_timeout)
+from conftest import (Counter, MyError, RaiseInBackward, RaiseOnMicrobatch, call_with_timeout,
+                      check_recovers, compare_with_plain, notes, raises_within_timeout)
 
 
 def model(n: int = 4) -> nn.Sequential:
@@ -130,24 +130,6 @@ def three_stages(middle: nn.Module) -> Tuple[nn.Sequential, Counter, Counter]:
     return seq, first, last
 
 
-def check_pipe_still_works(pipe: gpipe.Pipe, ref: nn.Sequential) -> None:
-    """After a failure: disarmed, the same Pipe is transparent again."""
-    for m in list(pipe) + list(ref):
-        if hasattr(m, "armed"):
-            m.armed = False
-    pipe.zero_grad(set_to_none=True)
-    ref.zero_grad(set_to_none=True)
-    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_()
-    out = call_with_timeout(lambda: pipe(x))["result"]
-    want = ref(x_ref)
-    assert (out - want).abs().max().item() <= 1e-10
-    call_with_timeout(lambda: (out * out).sum().backward())
-    (want * want).sum().backward()
-    assert (x.grad - x_ref.grad).abs().max().item() <= 1e-10
-    assert_same_grads(pipe, ref)
-
-
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 @pytest.mark.parametrize("error_type", [MyError, ValueError, KeyError, RuntimeError])
 def test_forward_error_is_the_layers_own(error_type, checkpoint):
@@ -167,7 +149,7 @@ def test_forward_error_is_the_layers_own(error_type, checkpoint):
     assert pipe[3].calls == 1
     assert last.forwards == []
     assert 1 <= len(first.forwards) <= 4
-    check_pipe_still_works(pipe, ref)
+    check_recovers(pipe, ref)
 
 
 def test_forward_error_on_a_later_microbatch():
@@ -227,7 +209,7 @@ def test_backward_error_is_the_layers_own(checkpoint):
     assert first.backwards == 0    # stage 0 only sees what stage 1 finished
     assert last.backwards <= 4
     del out  # before the Pipe goes: see test_api.py::test_output_outlives_pipe
-    check_pipe_still_works(pipe, ref)
+    check_recovers(pipe, ref)
 
 
 def test_recompute_error_is_the_layers_own():
@@ -249,7 +231,7 @@ def test_recompute_error_is_the_layers_own():
     assert first.backwards == 0
     assert [c for c in first.forwards if c[1]] == []   # stage 0 never recomputed
     del out  # before the Pipe goes: see test_api.py::test_output_outlives_pipe
-    check_pipe_still_works(pipe, ref)
+    check_recovers(pipe, ref)
 
 
 def test_non_python_error_names_the_cell():
@@ -270,7 +252,7 @@ def test_error_then_many_calls():
     pipe = gpipe.Pipe(seq, balance=[2, 2, 2], chunks=3)
     for _ in range(10):
         assert raises_within_timeout(lambda: pipe(torch.randn(6, 3, dtype=torch.float64))) is err
-    check_pipe_still_works(pipe, ref)
+    check_recovers(pipe, ref)
 
 
 def test_keyboard_interrupt_passes_through():
