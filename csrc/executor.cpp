@@ -30,7 +30,7 @@ struct Executor::Run {
   // One hand-over: written once by the neighbour, read once by the stage.
   // Setting `full` (after the payload is written) publishes `payload`.
   struct Slot {
-    std::optional<Payload> payload;
+    Payload payload;
     std::atomic<bool> full{false};
   };
   // Inbox of each stage: per phase and micro-batch, the payload handed over.
@@ -99,9 +99,7 @@ struct Executor::Run {
       box.parked.fetch_sub(1);
     }
     if (!s.full.load()) return std::nullopt;
-    std::optional<Payload> out = std::move(s.payload);
-    s.payload.reset();
-    return out;
+    return std::move(s.payload);
   }
 
   void fail(std::exception_ptr e) {
