@@ -5,6 +5,7 @@
 
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/StreamGuard.h>
@@ -12,15 +13,16 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include <pthread.h>
+
+#include <cstdlib>
+#include <cstring>
 #include <optional>
+#include <string>
 
 namespace gpipe::detail {
 
 namespace {
-
-bool differentiable(const at::Tensor& t) {
-  return t.defined() && (t.is_floating_point() || t.is_complex());
-}
 
 // The stage's compute stream becomes current for the cell (nothing on CPU).
 std::optional<c10::StreamGuard> on_compute_stream(const Stage& stage) {
@@ -77,6 +79,22 @@ Batch receive_traced(Payload in, const Lane& lane, Tracer& tracer, int64_t step,
   return out;
 }
 
+// The accelerator index whose autograd engine thread is the calling thread,
+// if it is one. The engine names those threads "pt_autograd_<index>" (one per
+// index, serving that index of every accelerator type); the thread that
+// called backward(), which runs the CPU nodes, has any other name.
+std::optional<c10::DeviceIndex> autograd_device_thread() {
+  char name[16] = {};
+  if (pthread_getname_np(pthread_self(), name, sizeof(name)) != 0) return std::nullopt;
+  constexpr const char* kPrefix = "pt_autograd_";
+  const size_t prefix = std::strlen(kPrefix);
+  if (std::strncmp(name, kPrefix, prefix) != 0 || name[prefix] == '\0') return std::nullopt;
+  char* end = nullptr;
+  const long index = std::strtol(name + prefix, &end, 10);
+  if (*end != '\0' || index < 0) return std::nullopt;
+  return static_cast<c10::DeviceIndex>(index);
+}
+
 }  // namespace
 
 Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c10::Device>& devices,
@@ -89,11 +107,21 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
   }
 }
 
+std::unique_lock<std::mutex> Engine::one_call_at_a_time(const char* what) {
+  const int64_t outer = Executor::current_stage();
+  TORCH_CHECK(outer < 0, "gpipe::Pipe ", what, " was called from inside a layer of a Pipe (stage ",
+              outer, " of the Pipe running it): a Pipe cannot run within a Pipe's stage; ",
+              "call the inner model directly there, or flatten both into one Sequential");
+  // Another thread's forward or backward on this Pipe finishes first: the
+  // stages, their workers and their learned state serve one call at a time.
+  return std::unique_lock<std::mutex>(busy_);
+}
+
 std::vector<Payload> Engine::execute(const Schedule& schedule, std::vector<Payload> sources,
                                      const CellFn& cell, const at::ThreadLocalState& state,
-                                     bool inline_run) {
+                                     const std::vector<bool>& inline_stages) {
   try {
-    return executor_.run(schedule, std::move(sources), cell, state, inline_run);
+    return executor_.run(schedule, std::move(sources), cell, state, inline_stages);
   } catch (const CellError& e) {
     if (error_hook_) error_hook_(e);
     throw;
@@ -101,25 +129,21 @@ std::vector<Payload> Engine::execute(const Schedule& schedule, std::vector<Paylo
 }
 
 Batch Engine::forward(const Batch& input, bool training) {
+  auto busy = one_call_at_a_time("forward");
   std::vector<Batch> microbatches = scatter(input, chunks_);
   const auto m = static_cast<int64_t>(microbatches.size());
   const int64_t k = stages();
 
-  bool anything_requires_grad = false;
-  for (const auto& t : input.values) anything_requires_grad |= t.requires_grad();
-  for (const auto& s : stages_) anything_requires_grad |= s->layers_require_grad();
-  const bool graph = at::GradMode::is_enabled() && anything_requires_grad;
-
-  // Nothing to differentiate: run the layers without grad mode, so cells
-  // keep nothing (pipelined inference).
-  std::optional<at::NoGradGuard> no_grad;
-  if (!graph) no_grad.emplace();
+  // Under grad mode every cell builds its graph: only the graph knows
+  // which outputs need grad and which outside tensors (parameters, tied
+  // weights, closures) the stages reach. Without grad mode nothing is kept
+  // (pipelined inference).
+  const bool graph = at::GradMode::is_enabled();
 
   auto run = std::make_shared<PipeRun>();
   run->engine = shared_from_this();
   run->microbatches = m;
   run->cells.assign(static_cast<size_t>(k), std::vector<Cell>(static_cast<size_t>(m)));
-  run->stages.resize(static_cast<size_t>(k));
   run->input_rows = rows_of(microbatches);
   for (const auto& t : input.values) {
     run->input_devices.push_back(t.defined() ? t.device() : c10::Device(c10::kCPU));
@@ -128,7 +152,6 @@ Batch Engine::forward(const Batch& input, bool training) {
   const int64_t step = tracer_.enabled() ? tracer_.next_step() : 0;
   run->step = step;
   const int64_t stop = graph && training ? checkpointed_microbatches(checkpoint_, m) : 0;
-  for (auto& s : run->stages) s.any_checkpoint = stop > 0;
 
   // The input was produced on the caller's current streams: every
   // micro-batch waits for that work.
@@ -145,34 +168,52 @@ Batch Engine::forward(const Batch& input, bool training) {
     const int64_t i = action.microbatch;
     Batch x = receive_traced(std::move(in), stage.lane(), tracer_, step, j, i);
     Span span(tracer_, step, j, i, TracePhase::Forward);
-    Batch y = stage.forward(r.cells[static_cast<size_t>(j)][static_cast<size_t>(i)],
-                            r.stages[static_cast<size_t>(j)], x, i < stop);
+    Batch y = stage.forward(r.cells[static_cast<size_t>(j)][static_cast<size_t>(i)], x, i < stop,
+                            stop > 0);
     span.finish();
     return Payload{std::move(y), mark(stage.lane().compute)};
   };
   // The one capture of the caller's state serves the forward cells and,
   // later, the recomputes.
-  auto sinks = execute(gpipe_forward(k, m), std::move(sources), cell, *run->forward_state,
-                       /*inline_run=*/false);
+  auto sinks = execute(gpipe_forward(k, m), std::move(sources), cell, *run->forward_state, {});
 
   std::vector<Batch> outputs;
   outputs.reserve(sinks.size());
   at::NoGradGuard plain;  // gathering is not part of any graph
   for (auto& p : sinks) outputs.push_back(settle(std::move(p)));
   run->output_rows = rows_of(outputs);
+  // An output value needs grad where the plain model's would: where the
+  // last stage's graph says so for some micro-batch.
+  std::vector<bool> output_requires_grad(outputs.empty() ? 0 : outputs.front().size(), false);
+  for (const auto& b : outputs) {
+    for (size_t v = 0; v < b.size() && v < output_requires_grad.size(); ++v) {
+      if (b[v].defined() && b[v].requires_grad()) output_requires_grad[v] = true;
+    }
+  }
   Batch out = gather(outputs);
-  if (!graph) return out;
-
-  // Wire the outputs to one PipeBackward node whose edges lead to the inputs.
   for (auto& t : out.values) {
     if (t.defined()) t = t.detach();
   }
+  bool any = false;
+  for (bool f : output_requires_grad) any = any || f;
+  if (!graph || !any) return out;
+
+  // Wire the outputs to one PipeBackward node whose edges lead to the inputs
+  // and to every outside tensor some cell reached, in stage and micro-batch
+  // order.
+  for (const auto& stage_cells : run->cells) {
+    for (const auto& c : stage_cells) {
+      for (const auto& edge : c.cut.externals) run->externals.add(edge);
+    }
+  }
   auto node = std::shared_ptr<PipeBackward>(new PipeBackward(run), torch::autograd::deleteNode);
-  node->set_next_edges(torch::autograd::collect_next_edges(input.values));
+  auto edges = torch::autograd::collect_next_edges(input.values);
+  for (const auto& edge : run->externals.edges()) edges.push_back(edge);
+  node->set_next_edges(std::move(edges));
   run->output_atomic = out.atomic;
   run->output_slot.assign(out.size(), -1);
   for (size_t v = 0; v < out.size(); ++v) {
-    if (!differentiable(out[v])) continue;
+    if (!output_requires_grad[v]) continue;
     run->output_slot[v] = static_cast<int64_t>(node->num_inputs());
     torch::autograd::create_gradient_edge(out[v], node);
   }
@@ -180,9 +221,13 @@ Batch Engine::forward(const Batch& input, bool training) {
 }
 
 std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Tensor>& grads,
-                                         bool keep_graph) {
+                                         bool keep_graph, const std::vector<bool>& needed) {
+  auto busy = one_call_at_a_time("backward");
   const int64_t m = run.microbatches;
   const int64_t k = stages();
+  const size_t inputs = run.input_devices.size();
+  const size_t externals = run.externals.size();
+  TORCH_INTERNAL_ASSERT(needed.size() == inputs + externals);
 
   // Cut each output grad like the outputs were cut.
   Batch all;
@@ -208,8 +253,12 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     }
   }
 
-  const CellFn cell = [this, &run, keep_graph](int64_t j, const Action& action, Payload in,
-                                               const char*& phase) {
+  // Each stage sums its cells' grads for the external edges on its own
+  // worker (sums[stage][edge]); the stages' sums are added at the end.
+  std::vector<std::vector<at::Tensor>> sums(static_cast<size_t>(k),
+                                            std::vector<at::Tensor>(externals));
+  const CellFn cell = [this, &run, &sums, &needed, inputs, keep_graph](
+                          int64_t j, const Action& action, Payload in, const char*& phase) {
     Stage& stage = *stages_[static_cast<size_t>(j)];
     auto guard = on_compute_stream(stage);
     const int64_t i = action.microbatch;
@@ -222,32 +271,58 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
       span.finish();
       phase = "backward";
     }
+    const auto& outside = c.cut.externals;
+    std::vector<int64_t> ids(outside.size());
+    std::vector<bool> wanted(outside.size());
+    for (size_t e = 0; e < outside.size(); ++e) {
+      ids[e] = run.externals.find(outside[e]);
+      TORCH_CHECK(ids[e] >= 0, "stage ", j, "'s recompute of micro-batch ", i,
+                  " reached a tensor its first forward did not (", outside[e].function->name(),
+                  "): the layers must build the same graph when run again on the same input");
+      wanted[e] = needed[inputs + static_cast<size_t>(ids[e])];
+    }
     Span span(tracer_, run.step, j, i, TracePhase::Backward);
-    Batch dx = stage.backward(c, dy, keep_graph);
+    std::vector<at::Tensor> external_grads;
+    Batch dx = stage.backward(c, dy, keep_graph, wanted, external_grads);
+    auto& sum = sums[static_cast<size_t>(j)];
+    for (size_t e = 0; e < external_grads.size(); ++e) {
+      auto& g = external_grads[e];
+      if (!g.defined()) continue;
+      auto& total = sum[static_cast<size_t>(ids[e])];
+      total = total.defined() ? at::add(total, g) : std::move(g);
+    }
     span.finish();
     return Payload{std::move(dx), mark(stage.lane().compute)};
   };
 
-  // CUDA deadlock rule (DESIGN.md). The autograd engine runs a node on the
-  // thread of the device its grads live on. When our outputs (hence these
-  // grads) are on an accelerator, this call runs on that device's engine
-  // thread, which every CUDA node of every stage's backward also needs:
-  // blocking it while workers run their backward would hang. So there we
-  // drive all cells from this very thread in schedule order (nested
-  // backward runs inline) and rely on asynchronous kernel launches and the
-  // per-stage streams for overlap. On CPU this call runs on the caller's
-  // thread, and the workers run each stage's backward concurrently.
-  bool on_device_thread = false;
-  for (const auto& g : grads) {
-    if (g.defined() && !g.device().is_cpu()) on_device_thread = true;
+  // CUDA deadlock rule (DESIGN.md). The autograd engine runs each node on
+  // one thread per device: CPU nodes on the thread that called backward(),
+  // an accelerator's nodes on that device's engine thread. When this call
+  // runs on device d's engine thread, every cell of a stage on device d
+  // needs that very thread for its nested backward: blocking it while a
+  // worker runs such a cell would hang. So the stages on device d run
+  // inline here, in schedule order (nested backward runs on this thread),
+  // and every other stage (other devices, CPU) keeps its worker, so
+  // backward still overlaps across devices on the host.
+  //
+  //   pt_autograd_d:  PipeBackward -> B(stages on d), inline, in order
+  //   workers:                        B(other stages), concurrently
+  std::vector<bool> inline_stages;
+  if (auto d = autograd_device_thread()) {
+    inline_stages.assign(static_cast<size_t>(k), false);
+    for (int64_t j = 0; j < k; ++j) {
+      const auto device = stages_[static_cast<size_t>(j)]->device();
+      inline_stages[static_cast<size_t>(j)] = !device.is_cpu() && device.index() == *d;
+    }
   }
   const at::ThreadLocalState state;
-  auto sinks = execute(gpipe_backward(k, m), std::move(sources), cell, state, on_device_thread);
+  auto sinks = execute(gpipe_backward(k, m), std::move(sources), cell, state, inline_stages);
 
   std::vector<Batch> parts;
   parts.reserve(sinks.size());
   for (auto& p : sinks) parts.push_back(settle(std::move(p)));
   std::vector<at::Tensor> result;
+  result.reserve(inputs + externals);
   const size_t values = parts.empty() ? 0 : parts.front().size();
   for (size_t v = 0; v < values; ++v) {
     std::vector<at::Tensor> per_microbatch;
@@ -261,6 +336,22 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     if (grad.defined() && grad.device() != home) grad = grad.to(home);
     result.push_back(std::move(grad));
   }
+  result.resize(inputs);
+
+  // The external grads were summed on each stage's compute stream: the
+  // current streams wait for that work before autograd hands them on.
+  std::vector<at::Tensor> external(externals);
+  for (int64_t j = 0; j < k; ++j) {
+    Stage& stage = *stages_[static_cast<size_t>(j)];
+    Batch stage_sums(std::move(sums[static_cast<size_t>(j)]), /*is_atomic=*/false);
+    Batch ready_sums = settle(Payload{std::move(stage_sums), mark(stage.lane().compute)});
+    for (size_t e = 0; e < externals; ++e) {
+      auto& g = ready_sums[e];
+      if (!g.defined()) continue;
+      external[e] = external[e].defined() ? at::add(external[e], g) : std::move(g);
+    }
+  }
+  for (auto& g : external) result.push_back(std::move(g));
   return result;
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "executor.h"
+#include "graph.h"
 #include "microbatch.h"
 #include "stage.h"
 #include "trace.h"
@@ -15,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -29,7 +31,10 @@ struct PipeRun {
   int64_t microbatches = 0;
   /// cells[stage][microbatch]
   std::vector<std::vector<Cell>> cells;
-  std::vector<StageRun> stages;
+  /// Every edge where some cell's graph reaches a tensor it did not make
+  /// (parameters and the like), numbered: PipeBackward's edges after the
+  /// inputs' edges, in this order.
+  EdgeIndex externals;
   /// Rows of each micro-batch of the input and of the output.
   std::vector<int64_t> input_rows;
   std::vector<int64_t> output_rows;
@@ -57,9 +62,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   Batch forward(const Batch& input, bool training);
 
   /// Runs the backward half for `run`: `grads` holds one grad per
-  /// PipeBackward input slot. Returns one grad per input value.
+  /// PipeBackward input slot; `needed` says which of PipeBackward's edges
+  /// (one per input value, then one per `run.externals` edge) autograd
+  /// wants. Returns one grad per edge: the input grads, then each external
+  /// edge's grad summed over micro-batches (undefined where not needed).
   std::vector<at::Tensor> backward(PipeRun& run, const std::vector<at::Tensor>& grads,
-                                   bool keep_graph);
+                                   bool keep_graph, const std::vector<bool>& needed);
 
   int64_t stages() const noexcept { return static_cast<int64_t>(stages_.size()); }
 
@@ -77,9 +85,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// thread-local state (grad mode, inference mode, autocast and the rest).
   std::vector<Payload> execute(const Schedule& schedule, std::vector<Payload> sources,
                                const CellFn& cell, const at::ThreadLocalState& state,
-                               bool inline_run);
+                               const std::vector<bool>& inline_stages);
+
+  /// Refuses a call from inside a cell (a Pipe within a Pipe's layer) and
+  /// makes other callers wait: one forward or backward at a time.
+  std::unique_lock<std::mutex> one_call_at_a_time(const char* what);
 
   std::vector<std::unique_ptr<Stage>> stages_;
+  std::mutex busy_;
   Executor executor_;
   int64_t chunks_;
   Checkpoint checkpoint_;

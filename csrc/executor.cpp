@@ -17,7 +17,23 @@ namespace {
 // parking and waking a thread costs on a VM (futex, context switches).
 constexpr std::chrono::microseconds kSpin{50};
 
+thread_local int64_t running_stage = -1;
+
+// Marks the calling thread as running a cell of `stage`.
+class InCell {
+ public:
+  explicit InCell(int64_t stage) : previous_(running_stage) { running_stage = stage; }
+  ~InCell() { running_stage = previous_; }
+  InCell(const InCell&) = delete;
+  InCell& operator=(const InCell&) = delete;
+
+ private:
+  int64_t previous_;
+};
+
 }  // namespace
+
+int64_t Executor::current_stage() noexcept { return running_stage; }
 
 // The shared state of one `run` call. Lives on the caller's stack; workers
 // only touch it between picking up their job and reporting it done.
@@ -162,6 +178,7 @@ void Executor::perform(Run& run, int64_t stage, const Action& action) {
   if (!input || run.cancelled.load()) return;
   const char* phase = forward ? "forward" : "backward";
   try {
+    InCell in_cell(stage);
     Payload out = (*run.cell)(stage, action, std::move(*input), phase);
     const int64_t next = forward ? stage + 1 : stage - 1;
     if (next < 0 || next >= run.stages) {
@@ -203,7 +220,7 @@ void Executor::work(Worker& worker) {
 
 std::vector<Payload> Executor::run(const Schedule& schedule, std::vector<Payload> sources,
                                    const CellFn& cell, const at::ThreadLocalState& state,
-                                   bool inline_run) {
+                                   const std::vector<bool>& inline_stages) {
   TORCH_CHECK(static_cast<int64_t>(schedule.stages.size()) == stages(), "schedule has ",
               schedule.stages.size(), " stages but the executor has ", stages());
   TORCH_CHECK(static_cast<int64_t>(sources.size()) == schedule.microbatches, "got ",
@@ -222,26 +239,33 @@ std::vector<Payload> Executor::run(const Schedule& schedule, std::vector<Payload
     run.put(entry, entry_phase, i, std::move(sources[static_cast<size_t>(i)]));
   }
 
-  if (inline_run) {
+  TORCH_CHECK(inline_stages.empty() || static_cast<int64_t>(inline_stages.size()) == stages(),
+              "inline_stages has ", inline_stages.size(), " entries for ", stages(), " stages");
+  auto runs_inline = [&](size_t j) { return !inline_stages.empty() && inline_stages[j]; };
+  std::vector<Worker*> started;
+  for (size_t j = 0; j < workers_.size(); ++j) {
+    if (runs_inline(j)) continue;
+    auto& w = *workers_[j];
+    {
+      std::lock_guard<std::mutex> hold(w.mutex);
+      w.run = &run;
+      w.state = &state;
+      w.stage = static_cast<int64_t>(j);
+    }
+    w.wake.notify_one();
+    started.push_back(&w);
+  }
+  if (started.size() != workers_.size()) {
+    // Every thread follows one global order (serialize's, which each
+    // stage's own list agrees with), so no two wait on each other.
     for (const auto& step : serialize(schedule)) {
       if (run.cancelled.load()) break;
-      perform(run, step.stage, step.action);
+      if (runs_inline(static_cast<size_t>(step.stage))) perform(run, step.stage, step.action);
     }
-  } else {
-    for (size_t j = 0; j < workers_.size(); ++j) {
-      auto& w = *workers_[j];
-      {
-        std::lock_guard<std::mutex> hold(w.mutex);
-        w.run = &run;
-        w.state = &state;
-        w.stage = static_cast<int64_t>(j);
-      }
-      w.wake.notify_one();
-    }
-    for (auto& w : workers_) {
-      std::unique_lock<std::mutex> hold(w->mutex);
-      w->idle.wait(hold, [&] { return w->run == nullptr; });
-    }
+  }
+  for (Worker* w : started) {
+    std::unique_lock<std::mutex> hold(w->mutex);
+    w->idle.wait(hold, [&] { return w->run == nullptr; });
   }
   if (run.error) std::rethrow_exception(run.error);
   return std::move(run.sinks);

@@ -41,11 +41,17 @@ class Executor {
 
   /// Runs `schedule` and returns, per micro-batch, what left the pipeline
   /// (the last stage's forward outputs, or the first stage's input grads).
-  /// Workers run with `state` as their thread-local state. With `inline_run`
-  /// the calling thread runs every cell itself, in `serialize(schedule)`
-  /// order (the CUDA deadlock rule, see engine.cpp).
+  /// Workers run with `state` as their thread-local state. The calling
+  /// thread runs the cells of the stages marked in `inline_stages` itself,
+  /// in `serialize(schedule)` order, while the workers run the others (the
+  /// CUDA deadlock rule, see engine.cpp); empty: none.
   std::vector<Payload> run(const Schedule& schedule, std::vector<Payload> sources, const CellFn& cell,
-                           const at::ThreadLocalState& state, bool inline_run);
+                           const at::ThreadLocalState& state,
+                           const std::vector<bool>& inline_stages = {});
+
+  /// The stage whose cell the calling thread is running now (of any
+  /// executor), or -1.
+  static int64_t current_stage() noexcept;
 
  private:
   struct Run;

@@ -35,15 +35,6 @@ class SequentialLayers : public detail::Layers {
                 "; a stage's last layer must return torch::Tensor or std::vector<torch::Tensor>");
   }
 
-  bool requires_grad() const override {
-    for (const auto& m : modules_) {
-      for (const auto& p : m.ptr()->parameters()) {
-        if (p.requires_grad()) return true;
-      }
-    }
-    return false;
-  }
-
  private:
   std::vector<torch::nn::AnyModule> modules_;
   int64_t first_index_;

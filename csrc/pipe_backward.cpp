@@ -20,7 +20,9 @@ torch::autograd::variable_list PipeBackward::apply(torch::autograd::variable_lis
   const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
   std::shared_ptr<PipeRun> run = run_;
   if (!keep_graph) run_.reset();
-  return run->engine->backward(*run, grads, keep_graph);
+  std::vector<bool> needed(num_outputs());
+  for (size_t e = 0; e < needed.size(); ++e) needed[e] = task_should_compute_output(e);
+  return run->engine->backward(*run, grads, keep_graph, needed);
 }
 
 void PipeBackward::release_variables() { run_.reset(); }

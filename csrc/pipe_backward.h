@@ -5,7 +5,15 @@
 //
 // Each cell's stage-local graph lives outside the outer graph; the node is
 // the only link between them. It has one edge per input tensor (empty where
-// the input needs no grad) and is the grad_fn of every differentiable output.
+// the input needs no grad), then one edge per outside tensor the cells reach
+// (parameters' accumulators, tied weights, closures), and is the grad_fn of
+// every output that needs grad. It returns each parameter's grad summed over
+// micro-batches, and computes only the edges autograd asks for, so
+// `backward`, `backward(inputs=...)`, `autograd::grad` and parameter hooks
+// behave as with the plain model:
+//
+//   loss.backward():   PipeBackward -> AccumulateGrad(0.weight) -> .grad
+//   grad(out, {x}):    PipeBackward -> x only; no .grad is touched
 #pragma once
 
 #include <torch/csrc/autograd/function.h>

@@ -1,11 +1,15 @@
 // rng.h — saving and replaying the default generators a checkpointed cell draws from.
 //
 // RNG rule (DESIGN.md): stages sharing a generator (every CPU stage; several
-// stages on one GPU) draw from it concurrently. A checkpointed cell's forward
-// and its recompute therefore hold `lock_for(generator)` exclusively, so no
-// other cell draws between the snapshot and the cell's own draws; any other
-// cell that may draw holds it shared. We never hold the generator's own mutex
-// across a cell: the random ops take that one themselves.
+// stages on one GPU) draw from it concurrently. A checkpointed cell whose
+// stage draws, and every recompute that replays draws, therefore hold
+// `lock_for(generator)` exclusively, so no other cell draws between the
+// snapshot and the cell's own draws; every other cell of a run with
+// checkpoints holds it shared. A checkpointed cell of a stage that has not
+// drawn so far holds it shared and checks the state after its forward (see
+// Stage::forward for what it does when the state moved). We never hold the
+// generator's own mutex across a cell: the random ops take that one
+// themselves.
 #pragma once
 
 #include <ATen/core/Generator.h>

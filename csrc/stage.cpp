@@ -1,13 +1,15 @@
 // stage.cpp — a cell's forward (plain or checkpointed), its exact recompute, and its backward.
 #include "stage.h"
 
+#include "graph.h"
 #include "phase.h"
 #include "rng.h"
 
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <mutex>
 #include <optional>
@@ -133,56 +135,80 @@ Stage::Stage(int64_t index, std::unique_ptr<Layers> layers, c10::Device device)
     : index_(index),
       layers_(std::move(layers)),
       lane_(make_lane(device)),
-      generators_(generators_for(lane_.device)) {}
+      generators_(generators_for(lane_.device)) {
+  TORCH_INTERNAL_ASSERT(generators_.size() <= draws_.size());
+}
 
-Batch Stage::forward(Cell& cell, StageRun& run, const Batch& input, bool checkpoint) {
+// Random draws of a checkpointed cell (RNG rule, rng.h). The cell snapshots
+// every generator of its device before its forward and compares after:
+//
+//   draws_[g]        lock on g     after the forward
+//   unknown or yes   exclusive     drew: keep the snapshot for the replay;
+//                                  learn yes/no where unknown
+//   no               shared        unchanged: nothing to replay. Changed:
+//                                  this cell or a concurrent one drew, and
+//                                  the snapshot may not be this cell's, so
+//                                  the cell keeps the graph it built (no
+//                                  replay needed) and g becomes "yes".
+//
+// So every cell is exact, including a layer that draws only on some
+// micro-batches, and a stage that never draws keeps full concurrency.
+Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint) {
   if (!at::GradMode::is_enabled()) {
     // Inference: no graph, nothing kept.
     return layers_->forward(input);
   }
-  if (run.draws.empty()) run.draws.assign(generators_.size(), Draws::Unknown);
   cell.input_atomic = input.atomic;
-
-  if (!checkpoint) {
-    RngLocks locks;
-    if (run.any_checkpoint) {
-      for (size_t g = 0; g < generators_.size(); ++g) {
-        if (run.draws[g] != Draws::No) locks.shared(generators_[g]);
-      }
-    }
-    auto entry = enter(input, grad_flags(input));
-    cell.outputs = layers_->forward(entry.input);
-    cell.leaves = std::move(entry.leaves);
-    return leave(cell.outputs, grad_flags(cell.outputs));
-  }
-
-  // Checkpointed: run without a graph, keep the input and the generator
-  // states to replay this exact forward just before the backward.
-  cell.checkpointed = true;
-  cell.saved_requires_grad = grad_flags(input);
-  cell.saved = mutates_input_.load() == kKeeps ? input : cloned(input);
-  cell.rng_before.assign(generators_.size(), at::Tensor());
+  const auto flags = grad_flags(input);
+  const size_t gens = generators_.size();
 
   RngLocks locks;
-  for (size_t g = 0; g < generators_.size(); ++g) {
-    if (run.draws[g] == Draws::No) continue;
-    locks.exclusive(generators_[g]);
-    cell.rng_before[g] = get_state(generators_[g]);
+  std::vector<at::Tensor> before(gens);
+  std::vector<bool> verify_only(gens, false);
+  if (checkpoint) {
+    cell.saved_requires_grad = flags;
+    cell.saved = mutates_input_.load() == kKeeps ? input : cloned(input);
+    for (size_t g = 0; g < gens; ++g) {
+      verify_only[g] = draws_[g].load() == kKeeps;
+      if (verify_only[g]) {
+        locks.shared(generators_[g]);
+      } else {
+        locks.exclusive(generators_[g]);
+      }
+      before[g] = get_state(generators_[g]);
+    }
+  } else if (any_checkpoint) {
+    // May draw while a checkpointed cell elsewhere snapshots: not then.
+    for (const auto& g : generators_) locks.shared(g);
   }
 
-  Batch plain = input;
-  for (auto& t : plain.values) {
-    if (t.defined()) t = t.detach();
-  }
-  const auto before = versions(plain);
+  const auto versions_before = versions(input);
+  // The graph is built also for a checkpointed cell: it tells which outputs
+  // need grad and which outside tensors the cell reaches, as the plain
+  // model's graph would. It is dropped at the end of this call, so memory
+  // peaks at one micro-batch's activations, as in its recompute.
+  GraphWindow window;
+  auto entry = enter(input, flags);
   Batch out;
   {
-    at::NoGradGuard no_grad;
-    RunningGuard running(Running::Checkpointing);
-    out = layers_->forward(plain);
+    RunningGuard running(checkpoint ? Running::Checkpointing : Running::Plain);
+    out = layers_->forward(entry.input);
   }
+  window.close();
+  cell.cut = cut_at_externals(out.values, window, entry.leaves);
+  Batch leaving = leave(out, grad_flags(out));
+  auto keep_graph = [&] {
+    cell.checkpointed = false;
+    cell.saved = Batch();
+    cell.saved_requires_grad.clear();
+    cell.rng_before.clear();
+    cell.outputs = std::move(out);
+    cell.leaves = std::move(entry.leaves);
+    return std::move(leaving);
+  };
+  if (!checkpoint) return keep_graph();
 
-  const bool mutated = versions(plain) != before;
+  const bool mutated = versions(input) != versions_before;
   int expected = kUnknown;
   if (!mutates_input_.compare_exchange_strong(expected, mutated ? kMutates : kKeeps)) {
     TORCH_CHECK(!(expected == kKeeps && mutated), "stage ", index_,
@@ -190,25 +216,58 @@ Batch Stage::forward(Cell& cell, StageRun& run, const Batch& input, bool checkpo
                 "its checkpoint holds no copy to recompute from; use Checkpoint::Never for this "
                 "model, or make the in-place layer unconditional");
   }
-  for (size_t g = 0; g < generators_.size(); ++g) {
-    if (run.draws[g] != Draws::Unknown) continue;
-    const bool same = same_state(cell.rng_before[g], get_state(generators_[g]));
-    run.draws[g] = same ? Draws::No : Draws::Yes;
-    if (same) cell.rng_before[g] = at::Tensor();
-  }
 
-  // The outputs need grad if anything they come from does; recompute finds
-  // out exactly, a spare flag only costs an unused grad.
-  bool any = layers_->requires_grad();
-  for (bool f : cell.saved_requires_grad) any = any || f;
-  return leave(out, std::vector<bool>(out.size(), any));
+  bool replayable = true;
+  cell.rng_before.assign(gens, at::Tensor());
+  for (size_t g = 0; g < gens; ++g) {
+    const bool drew = !same_state(before[g], get_state(generators_[g]));
+    if (!drew) continue;
+    if (verify_only[g]) {
+      replayable = false;
+      draws_[g].store(kMutates);
+    } else {
+      cell.rng_before[g] = std::move(before[g]);
+    }
+    int unknown = kUnknown;
+    draws_[g].compare_exchange_strong(unknown, kMutates);
+  }
+  for (size_t g = 0; g < gens; ++g) {
+    int unknown = kUnknown;
+    if (!verify_only[g]) draws_[g].compare_exchange_strong(unknown, kKeeps);
+  }
+  if (!replayable) return keep_graph();
+
+  cell.checkpointed = true;
+  // Watch the input as handed in (the caller's own tensors on stage 0) for
+  // in-place changes before the recompute reads it. A stage that changes its
+  // input itself recomputes from a copy and needs no watch.
+  cell.input_counters.clear();
+  cell.input_versions.clear();
+  if (!mutated) {
+    for (const auto& t : input.values) {
+      if (!t.defined()) continue;
+      cell.input_counters.push_back(t.unsafeGetTensorImpl()->version_counter());
+      cell.input_versions.push_back(cell.input_counters.back().current_version());
+    }
+  }
+  return leaving;  // `out` and `entry` go: the graph is freed here
 }
 
 void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
+  for (size_t k = 0; k < cell.input_counters.size(); ++k) {
+    const uint32_t now = cell.input_counters[k].current_version();
+    TORCH_CHECK(now == cell.input_versions[k],
+                "one of the variables needed for gradient computation has been modified by an "
+                "inplace operation: the input of stage ", index_,
+                " (a checkpointed micro-batch recomputes from it) is at version ", now,
+                "; expected version ", cell.input_versions[k],
+                " instead. Don't change the Pipe's input (or a stage's output) in place between "
+                "forward and backward, or use checkpoint 'never'");
+  }
   RngLocks locks;
   std::vector<at::Tensor> live(generators_.size());
   for (size_t g = 0; g < generators_.size(); ++g) {
-    if (!cell.rng_before[g].defined()) continue;
+    if (g >= cell.rng_before.size() || !cell.rng_before[g].defined()) continue;
     locks.exclusive(generators_[g]);
     live[g] = get_state(generators_[g]);
     set_state(generators_[g], cell.rng_before[g]);
@@ -229,36 +288,72 @@ void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
   // A layer that works in place would spoil the saved input for a second
   // backward (retain_graph): give it a copy.
   const Batch& source = cell.saved;
+  GraphWindow window;
   auto entry = enter(mutates_input_.load() == kMutates ? cloned(source) : source,
                      cell.saved_requires_grad);
-  RunningGuard running(Running::Recomputing);
-  cell.outputs = layers_->forward(entry.input);
+  {
+    RunningGuard running(Running::Recomputing);
+    cell.outputs = layers_->forward(entry.input);
+  }
+  window.close();
   cell.leaves = std::move(entry.leaves);
+  cell.cut = cut_at_externals(cell.outputs.values, window, cell.leaves);
 }
 
-Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph) {
+Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
+                      const std::vector<bool>& wanted, std::vector<at::Tensor>& external_grads) {
   TORCH_CHECK(grads.size() == cell.outputs.size(), "stage ", index_, " produced ",
               cell.outputs.size(), " outputs but received ", grads.size(), " grads");
-  variable_list roots;
+  const Cut& cut = cell.cut;
+  TORCH_INTERNAL_ASSERT(wanted.size() == cut.externals.size());
+  external_grads.assign(cut.externals.size(), at::Tensor());
+  auto add_to = [](at::Tensor& sum, at::Tensor g) {
+    sum = sum.defined() ? sum + g : std::move(g);
+  };
+  torch::autograd::edge_list roots;
   variable_list root_grads;
   for (size_t k = 0; k < cell.outputs.size(); ++k) {
     const auto& out = cell.outputs[k];
-    if (out.defined() && out.requires_grad() && grads[k].defined()) {
-      roots.push_back(out);
+    if (!out.defined() || !out.requires_grad() || !grads[k].defined()) continue;
+    const int64_t direct = cut.direct[k];
+    if (direct < 0) {
+      roots.push_back(torch::autograd::impl::gradient_edge(out));
       root_grads.push_back(grads[k]);
+    } else if (wanted[static_cast<size_t>(direct)]) {
+      // The layers returned an outside tensor itself: its grad is this one.
+      add_to(external_grads[static_cast<size_t>(direct)], grads[k]);
     }
   }
-  for (auto& leaf : cell.leaves) {
-    if (leaf.defined()) leaf.mutable_grad().reset();
-  }
-  if (!roots.empty()) {
-    torch::autograd::backward(roots, root_grads, /*retain_graph=*/keep_graph,
-                              /*create_graph=*/false);
-  }
+  // The grads are captured where they leave the cell: at its input leaves
+  // and at the capture nodes of the external edges asked for. Nothing is
+  // accumulated into any `.grad` here; PipeBackward hands the external
+  // grads to autograd.
+  torch::autograd::edge_list targets;
+  std::vector<at::Tensor*> slots;
   Batch result;
   result.atomic = cell.input_atomic;
-  result.values.reserve(cell.leaves.size());
-  for (auto& leaf : cell.leaves) result.values.push_back(leaf.defined() ? leaf.grad() : at::Tensor());
+  result.values.assign(cell.leaves.size(), at::Tensor());
+  for (size_t k = 0; k < cell.leaves.size(); ++k) {
+    if (!cell.leaves[k].defined()) continue;
+    targets.push_back(torch::autograd::impl::gradient_edge(cell.leaves[k]));
+    slots.push_back(&result.values[k]);
+  }
+  std::vector<at::Tensor> captured_grads(cut.externals.size());
+  for (size_t e = 0; e < cut.externals.size(); ++e) {
+    if (!wanted[e] || !cut.captures[e].is_valid()) continue;
+    targets.push_back(cut.captures[e]);
+    slots.push_back(&captured_grads[e]);
+  }
+  if (!roots.empty() && !targets.empty()) {
+    auto captured = torch::autograd::Engine::get_default_engine().execute(
+        roots, root_grads, /*keep_graph=*/keep_graph, /*create_graph=*/false,
+        /*accumulate_grad=*/false, targets);
+    TORCH_INTERNAL_ASSERT(captured.size() == slots.size());
+    for (size_t t = 0; t < slots.size(); ++t) *slots[t] = std::move(captured[t]);
+  }
+  for (size_t e = 0; e < cut.externals.size(); ++e) {
+    if (captured_grads[e].defined()) add_to(external_grads[e], std::move(captured_grads[e]));
+  }
 
   if (cell.checkpointed) {
     // The recomputed graph is spent either way; the checkpoint stays for
@@ -273,4 +368,3 @@ Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph) {
 }
 
 }  // namespace gpipe::detail
-

@@ -1,13 +1,16 @@
 // stage.h — one stage: its layers on one device, running a micro-batch forward, recompute and backward.
 #pragma once
 
+#include "graph.h"
 #include "microbatch.h"
 #include "streams.h"
 
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/Generator.h>
 #include <c10/core/Device.h>
+#include <c10/core/TensorImpl.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -22,8 +25,6 @@ class Layers {
   virtual ~Layers() = default;
   /// Runs the layers in order on `input` (already on the stage's device).
   virtual Batch forward(const Batch& input) = 0;
-  /// Whether any parameter of these layers requires grad.
-  virtual bool requires_grad() const = 0;
 };
 
 /// What one (stage, micro-batch) cell keeps between its forward and its
@@ -35,6 +36,11 @@ struct Cell {
   /// Checkpointed: the stage input to recompute from, and its grad flags.
   Batch saved;
   std::vector<bool> saved_requires_grad;
+  /// Checkpointed: the version counters of the input as handed in, and
+  /// their versions after the first forward. Recompute refuses to run from
+  /// an input changed in place since (autograd's saved-tensor check).
+  std::vector<c10::VariableVersion> input_counters;
+  std::vector<uint32_t> input_versions;
   /// Checkpointed: the state of each of the stage's generators before the
   /// first forward (undefined where the stage does not draw from it).
   std::vector<at::Tensor> rng_before;
@@ -42,19 +48,12 @@ struct Cell {
   /// input needs no grad) and the outputs it ends in.
   std::vector<at::Tensor> leaves;
   Batch outputs;
-};
-
-/// Per call and stage: whether the stage draws from each of its generators.
-/// Learned on the stage's first checkpointed cell of the call, while it holds
-/// the generators' locks exclusively.
-enum class Draws : uint8_t { Unknown, Yes, No };
-
-/// One stage's view of a run (a forward call and its backward).
-struct StageRun {
-  std::vector<Draws> draws;
-  /// True when some cell of the run is checkpointed: only then do cells
-  /// take the generator locks.
-  bool any_checkpoint = false;
+  /// Where the stage-local graph reaches tensors the cell did not make
+  /// (parameters, tied weights, tensors the layers close over): the grads
+  /// flowing there are the cell's share of theirs. Set by forward (also
+  /// for a checkpointed cell, whose graph is then dropped) and recompute;
+  /// see graph.h.
+  Cut cut;
 };
 
 class Stage {
@@ -65,14 +64,16 @@ class Stage {
   const Lane& lane() const noexcept { return lane_; }
   c10::Device device() const noexcept { return lane_.device; }
   size_t generator_count() const noexcept { return generators_.size(); }
-  /// Whether any parameter of the stage's layers requires grad.
-  bool layers_require_grad() const { return layers_->requires_grad(); }
-
-  /// F(i). Under grad mode keeps in `cell` what backward needs: the graph,
-  /// or (checkpointed) only the input and the generator states. Returns the
+  /// F(i). Under grad mode builds the stage-local graph (so the outputs
+  /// need grad exactly where the plain model's would, and `cell.externals`
+  /// is known) and keeps in `cell` what backward needs: the graph, or
+  /// (checkpointed) only the input and the generator states. A checkpointed
+  /// cell keeps its graph after all when its random draws could not be
+  /// snapshotted (see rng.h). `any_checkpoint`: some cell of this run is
+  /// checkpointed, so every cell takes the generator locks. Returns the
   /// outputs for the next stage, without history but with the grad flags
   /// the next stage must honour.
-  Batch forward(Cell& cell, StageRun& run, const Batch& input, bool checkpoint);
+  Batch forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint);
 
   /// The first half of B(i) for a checkpointed cell: rebuilds the stage's
   /// graph from the saved input with the saved generator states, under
@@ -82,9 +83,12 @@ class Stage {
 
   /// B(i) (after `recompute` for a checkpointed cell): back-propagates
   /// `grads` (one per output, undefined where none) through the stage and
-  /// returns the grads of the cell's inputs. `keep_graph` keeps the cell
-  /// usable for another backward.
-  Batch backward(Cell& cell, const Batch& grads, bool keep_graph);
+  /// returns the grads of the cell's inputs. `external_grads` receives, for
+  /// each of `cell.cut.externals` with `wanted` set, the grad flowing into it
+  /// (undefined where none); nothing accumulates into any `.grad`.
+  /// `keep_graph` keeps the cell usable for another backward.
+  Batch backward(Cell& cell, const Batch& grads, bool keep_graph, const std::vector<bool>& wanted,
+                 std::vector<at::Tensor>& external_grads);
 
  private:
 
@@ -95,6 +99,9 @@ class Stage {
   /// Whether the layers modify their input in place (0 unknown, 1 yes, 2
   /// no): a checkpointed cell must then save a copy to recompute from.
   std::atomic<int> mutates_input_{0};
+  /// Per generator: whether this stage's checkpointed cells draw from it
+  /// (0 unknown, 1 yes, 2 no), learned across calls; see stage.cpp.
+  std::array<std::atomic<int>, 2> draws_{};
 };
 
 }  // namespace gpipe::detail

@@ -70,14 +70,4 @@ detail::Batch PyLayers::forward(const detail::Batch& input) {
   return to_batch(x, what.c_str());
 }
 
-bool PyLayers::requires_grad() const {
-  py::gil_scoped_acquire gil;
-  for (auto layer : layers_) {
-    for (auto p : layer.attr("parameters")()) {
-      if (p.attr("requires_grad").cast<bool>()) return true;
-    }
-  }
-  return false;
-}
-
 }  // namespace gpipe::python

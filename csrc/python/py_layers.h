@@ -16,7 +16,6 @@ class PyLayers : public detail::Layers {
   ~PyLayers() override;
 
   detail::Batch forward(const detail::Batch& input) override;
-  bool requires_grad() const override;
 
  private:
   pybind11::list layers_;

@@ -282,3 +282,73 @@ TEST_CASE("concurrency: many back-to-back runs stay transparent", "[concurrency]
     gpipe_test::check_param_grads(*pipe, *ref);
   }
 }
+
+namespace {
+
+/// Runs another Pipe inside its forward: a Pipe nested in a Pipe's layer.
+class NestedPipeImpl : public torch::nn::Cloneable<NestedPipeImpl> {
+ public:
+  explicit NestedPipeImpl(gpipe::Pipe inner) : inner_(std::move(inner)) {}
+  void reset() override {}
+  torch::Tensor forward(const torch::Tensor& x) { return inner_->forward(x); }
+
+ private:
+  gpipe::Pipe inner_;
+};
+TORCH_MODULE(NestedPipe);
+
+}  // namespace
+
+TEST_CASE("concurrency: one Pipe called from several threads at once serves them one by one",
+          "[concurrency]") {
+  const bool grad = GENERATE(false, true);
+  INFO((grad ? "training steps" : "inference under NoGradGuard"));
+  auto model = gpipe_test::inplace_mlp(4);
+  auto ref = gpipe_test::deep_copy(model);
+  gpipe::Pipe pipe(model, PipeOptions().balance({2, 2, 2}).chunks(3));
+  constexpr int kThreads = 4;
+  constexpr int kCalls = 10;
+  std::vector<torch::Tensor> inputs;
+  for (int t = 0; t < kThreads; ++t) inputs.push_back(gpipe_test::randn64({6, 4}));
+  std::vector<double> worst(kThreads, 0.0);
+  gpipe_test::within_deadline([&] {
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        std::optional<torch::NoGradGuard> no_grad;
+        if (!grad) no_grad.emplace();
+        for (int c = 0; c < kCalls; ++c) {
+          auto out = pipe->forward(inputs[t]);
+          if (grad) out.sum().backward();
+          worst[t] = std::max(worst[t], gpipe_test::max_abs_diff(out, ref->forward(inputs[t])));
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    return 0;
+  });
+  for (int t = 0; t < kThreads; ++t) CHECK(worst[t] <= gpipe_test::kTolerance);
+  if (grad) {
+    // Every thread's backward landed: the grads are the sum of all steps.
+    gpipe_test::zero_grads(*ref);
+    for (int t = 0; t < kThreads; ++t) {
+      for (int c = 0; c < kCalls; ++c) ref->forward(inputs[t]).sum().backward();
+    }
+    gpipe_test::check_param_grads(*pipe, *ref);
+  }
+}
+
+TEST_CASE("concurrency: a Pipe inside another Pipe's layer is refused at once", "[concurrency]") {
+  const auto mode = GENERATE(Checkpoint::Always, Checkpoint::Never);
+  gpipe::Pipe inner(torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4)),
+                    PipeOptions().balance({1, 1}).chunks(2).checkpoint(mode));
+  gpipe::Pipe outer(torch::nn::Sequential(torch::nn::Linear(4, 4), NestedPipe(inner)),
+                    PipeOptions().balance({1, 1}).chunks(2).checkpoint(mode));
+  auto x = torch::randn({4, 4});
+  gpipe_test::within_deadline([&] {
+    CHECK_THROWS_WITH(outer->forward(x), Catch::Contains("inside a layer of a Pipe"));
+    return 0;
+  });
+  // Both still work on their own.
+  CHECK_NOTHROW(inner->forward(x).sum().backward());
+}

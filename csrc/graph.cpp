@@ -1,0 +1,137 @@
+// graph.cpp — telling a cell's own autograd nodes from the rest, and collecting the edges between them.
+#include "graph.h"
+
+#include <ATen/SequenceNumber.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <limits>
+#include <memory>
+#include <string>
+#include <unordered_set>
+
+namespace gpipe::detail {
+
+using torch::autograd::Edge;
+using torch::autograd::Node;
+
+GraphWindow::GraphWindow()
+    : thread_(at::RecordFunction::currentThreadId()),
+      first_(at::sequence_number::peek()),
+      end_(std::numeric_limits<uint64_t>::max()) {}
+
+void GraphWindow::close() { end_ = at::sequence_number::peek(); }
+
+bool GraphWindow::contains(const Node& node) const {
+  if (node.thread_id() != thread_) return false;
+  const uint64_t n = node.sequence_nr();
+  if (n >= first_ && n < end_) return true;
+  // A few nodes take no number (UINT64_MAX): accumulators, which belong to
+  // their leaf and never to a cell, and error nodes (a layer with no
+  // derivative), which the cell's thread made for the cell.
+  return n == std::numeric_limits<uint64_t>::max() &&
+         dynamic_cast<const torch::autograd::AccumulateGrad*>(&node) == nullptr;
+}
+
+namespace {
+
+// Stands in for an outside node inside a cell's graph: the cell's backward
+// captures the grads arriving here. It never runs (a backward only captures
+// at it) and has no hooks.
+class Capture : public Node {
+ public:
+  explicit Capture(const torch::autograd::InputMetadata& metadata) {
+    // The same shape, dtype and device as the input it stands in for, so
+    // autograd checks the grads arriving here as it would have there; the
+    // stream is the current one, the cell's (its backward runs there).
+    add_input_metadata(metadata.options(), metadata.shape_as_dim_vector(),
+                       metadata.is_tensor_subclass(), metadata.is_nested_tensor(),
+                       metadata.grad_dtype());
+  }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& /*grads*/) override {
+    return {};
+  }
+  std::string name() const override { return "gpipe::Capture"; }
+};
+
+}  // namespace
+
+Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& window,
+                     const std::vector<at::Tensor>& leaves) {
+  std::unordered_set<const Node*> own_leaves;
+  for (const auto& leaf : leaves) {
+    if (leaf.defined()) own_leaves.insert(torch::autograd::impl::gradient_edge(leaf).function.get());
+  }
+  Cut cut;
+  EdgeIndex numbers;
+  auto external = [&](const Edge& edge) {
+    const auto before = numbers.size();
+    const int64_t e = numbers.add(edge);
+    if (numbers.size() != before) {
+      cut.externals.push_back(edge);
+      cut.captures.emplace_back();
+    }
+    return e;
+  };
+  auto capture = [&](int64_t e) {
+    auto& slot = cut.captures[static_cast<size_t>(e)];
+    if (!slot.is_valid()) {
+      const Edge& outside = cut.externals[static_cast<size_t>(e)];
+      slot = Edge(std::make_shared<Capture>(outside.function->input_metadata(outside.input_nr)), 0);
+    }
+    return slot;
+  };
+  auto inside = [&](const Node* node) {
+    return own_leaves.count(node) != 0 || window.contains(*node);
+  };
+
+  std::unordered_set<const Node*> visited;
+  std::vector<Node*> stack;
+  cut.direct.assign(outputs.size(), -1);
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    const auto& out = outputs[k];
+    if (!out.defined() || !out.requires_grad()) continue;
+    const Edge edge = torch::autograd::impl::gradient_edge(out);
+    Node* node = edge.function.get();
+    if (!inside(node)) {
+      cut.direct[k] = external(edge);
+    } else if (own_leaves.count(node) == 0 && visited.insert(node).second) {
+      stack.push_back(node);
+    }
+  }
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    for (uint32_t i = 0; i < node->num_outputs(); ++i) {
+      const Edge& edge = node->next_edge(i);
+      Node* next = edge.function.get();
+      if (next == nullptr || own_leaves.count(next) != 0) continue;
+      if (window.contains(*next)) {
+        if (visited.insert(next).second) stack.push_back(next);
+        continue;
+      }
+      const int64_t e = external(edge);
+      // Written in place: set_next_edge would renumber the node's
+      // topological order, which autograd forbids once the node has parents.
+      // A capture node has no children (topological number 0), so the order
+      // stays valid.
+      node->next_edges()[i] = capture(e);
+    }
+  }
+  return cut;
+}
+
+int64_t EdgeIndex::add(const Edge& edge) {
+  auto [it, inserted] = numbers_.emplace(Key(edge.function.get(), edge.input_nr),
+                                         static_cast<int64_t>(edges_.size()));
+  if (inserted) edges_.push_back(edge);
+  return it->second;
+}
+
+int64_t EdgeIndex::find(const Edge& edge) const {
+  auto it = numbers_.find(Key(edge.function.get(), edge.input_nr));
+  return it == numbers_.end() ? -1 : it->second;
+}
+
+}  // namespace gpipe::detail

@@ -1,0 +1,90 @@
+// graph.h — where a cell's autograd graph leaves what the cell built: edges to parameters and other outside tensors.
+//
+// A cell's forward builds a stage-local graph that starts at the cell's input
+// leaves. It also reaches tensors the cell did not make: the layers'
+// parameters, a weight tied to another module, a tensor a layer closes over.
+// The plain model sends grads into those; so must the Pipe. Their edges
+// become edges of the PipeBackward node, and each cell's backward collects
+// the grads flowing into them (at capture nodes that stand in for them)
+// instead of accumulating them itself:
+//
+//   cell graph:   out <- ... <- Boundary <- input leaves           (internal)
+//                          \
+//                           `--> Capture  (was: AccumulateGrad(W) or W.grad_fn)
+//   PipeBackward ------------->  AccumulateGrad(W), W.grad_fn      (external)
+//
+// A node is the cell's own when the cell's thread made it while the cell ran:
+// autograd numbers the nodes each thread makes (`sequence_nr`, with the
+// thread's id), so the numbers taken before and after the forward bound them.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <cstdint>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace gpipe::detail {
+
+/// The autograd nodes the calling thread makes between construction and
+/// `close()`.
+class GraphWindow {
+ public:
+  GraphWindow();
+  void close();
+  /// Whether `node` was made inside the window.
+  bool contains(const torch::autograd::Node& node) const;
+
+ private:
+  uint64_t thread_;
+  uint64_t first_;
+  uint64_t end_;
+};
+
+/// A cell's graph, cut where it leaves the cell.
+struct Cut {
+  /// The edges leaving the cell's graph, once each, in the order first
+  /// reached (edges into the accumulators of the cell's own input leaves
+  /// are not among them).
+  std::vector<torch::autograd::Edge> externals;
+  /// For each external edge, where the grads from inside the cell now
+  /// arrive: a capture node standing in for the outside node, so a backward
+  /// can collect them without running the outside node or its hooks
+  /// (parameter hooks fire once, when autograd hands the summed grad on).
+  /// Invalid where only an output itself is the outside tensor.
+  std::vector<torch::autograd::Edge> captures;
+  /// For each output: the number of the external edge it is (the layers
+  /// returned an outside tensor as it is), or -1.
+  std::vector<int64_t> direct;
+};
+
+/// Walks the graph behind `outputs` through the nodes inside `window` and
+/// redirects each edge that leaves it to a capture node (see `Cut`).
+Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& window,
+                     const std::vector<at::Tensor>& leaves);
+
+/// Numbers distinct edges (by node and input slot) in the order added.
+class EdgeIndex {
+ public:
+  /// The edge's number, adding it when new.
+  int64_t add(const torch::autograd::Edge& edge);
+  /// The edge's number, or -1 when it was never added.
+  int64_t find(const torch::autograd::Edge& edge) const;
+  const std::vector<torch::autograd::Edge>& edges() const noexcept { return edges_; }
+  size_t size() const noexcept { return edges_.size(); }
+
+ private:
+  using Key = std::pair<const torch::autograd::Node*, uint32_t>;
+  struct Hash {
+    size_t operator()(const Key& key) const noexcept {
+      return std::hash<const void*>()(key.first) * 31 + key.second;
+    }
+  };
+  std::unordered_map<Key, int64_t, Hash> numbers_;
+  std::vector<torch::autograd::Edge> edges_;
+};
+
+}  // namespace gpipe::detail
