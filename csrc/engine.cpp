@@ -161,15 +161,31 @@ Batch Engine::forward(const Batch& input, bool training) {
   for (auto& mb : microbatches) sources.push_back(Payload{std::move(mb), ready});
 
   PipeRun& r = *run;
-  const CellFn cell = [this, &r, stop, step](int64_t j, const Action& action, Payload in,
-                                             const char*& /*phase*/) {
+  const CellFn cell = [this, &r, &input, stop, step](int64_t j, const Action& action, Payload in,
+                                                     const char*& /*phase*/) {
     Stage& stage = *stages_[static_cast<size_t>(j)];
     auto guard = on_compute_stream(stage);
     const int64_t i = action.microbatch;
     Batch x = receive_traced(std::move(in), stage.lane(), tracer_, step, j, i);
+    const bool own_counters = j == 0 && stage.mutates_input();
+    if (own_counters) {
+      // The micro-batches are views of the caller's tensors and share their
+      // version counters: a first layer working in place on one would spoil
+      // what the others saved for backward. Each gets a counter of its own;
+      // the stage watches the caller's tensors themselves instead.
+      for (auto& t : x.values) {
+        if (!t.defined()) continue;
+        auto own = t.variable_data();
+        if (t.requires_grad()) own.requires_grad_(true);
+        t = std::move(own);
+      }
+    }
     Span span(tracer_, step, j, i, TracePhase::Forward);
+    // Stage 0 watches the caller's tensors where autograd cannot: from a
+    // checkpointed cell's input, and behind counters of their own.
+    const bool watch_caller = j == 0 && (own_counters || i < stop);
     Batch y = stage.forward(r.cells[static_cast<size_t>(j)][static_cast<size_t>(i)], x, i < stop,
-                            stop > 0);
+                            stop > 0, watch_caller ? &input : nullptr);
     span.finish();
     return Payload{std::move(y), mark(stage.lane().compute)};
   };
@@ -253,17 +269,48 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     }
   }
 
+  // Which grads each stage must produce, as autograd asked: stage 0 the
+  // input values' it wants; stage j > 0 its inputs' when anything upstream
+  // needs them. A stage that owes nothing skips its cells (and recomputes).
+  std::vector<bool> wants_input(static_cast<size_t>(k), false);
+  std::vector<bool> wants_external(static_cast<size_t>(k), false);
+  for (int64_t j = 0; j < k; ++j) {
+    for (const auto& c : run.cells[static_cast<size_t>(j)]) {
+      for (const auto& edge : c.cut.externals) {
+        const int64_t id = run.externals.find(edge);
+        if (id >= 0 && needed[inputs + static_cast<size_t>(id)]) {
+          wants_external[static_cast<size_t>(j)] = true;
+        }
+      }
+    }
+  }
+  for (size_t v = 0; v < inputs; ++v) wants_input[0] = wants_input[0] || needed[v];
+  for (size_t j = 1; j < static_cast<size_t>(k); ++j) {
+    wants_input[j] = wants_input[j - 1] || wants_external[j - 1];
+  }
+
   // Each stage sums its cells' grads for the external edges on its own
   // worker (sums[stage][edge]); the stages' sums are added at the end.
   std::vector<std::vector<at::Tensor>> sums(static_cast<size_t>(k),
                                             std::vector<at::Tensor>(externals));
-  const CellFn cell = [this, &run, &sums, &needed, inputs, keep_graph](
-                          int64_t j, const Action& action, Payload in, const char*& phase) {
+  const CellFn cell = [this, &run, &sums, &needed, &wants_input, &wants_external, inputs,
+                       keep_graph](int64_t j, const Action& action, Payload in,
+                                   const char*& phase) {
     Stage& stage = *stages_[static_cast<size_t>(j)];
     auto guard = on_compute_stream(stage);
     const int64_t i = action.microbatch;
     Cell& c = run.cells[static_cast<size_t>(j)][static_cast<size_t>(i)];
     Batch dy = receive_traced(std::move(in), stage.lane(), tracer_, run.step, j, i);
+    const size_t values = c.checkpointed ? c.saved.size() : c.leaves.size();
+    std::vector<bool> wanted_inputs(values, wants_input[static_cast<size_t>(j)]);
+    if (j == 0) {
+      for (size_t v = 0; v < values && v < inputs; ++v) wanted_inputs[v] = needed[v];
+    }
+    if (!wants_input[static_cast<size_t>(j)] && !wants_external[static_cast<size_t>(j)]) {
+      Batch nothing(std::vector<at::Tensor>(values), c.input_atomic);
+      if (!keep_graph) c = Cell();
+      return Payload{std::move(nothing), {}};
+    }
     if (c.checkpointed) {
       phase = "recompute";
       Span span(tracer_, run.step, j, i, TracePhase::Recompute);
@@ -283,7 +330,7 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     }
     Span span(tracer_, run.step, j, i, TracePhase::Backward);
     std::vector<at::Tensor> external_grads;
-    Batch dx = stage.backward(c, dy, keep_graph, wanted, external_grads);
+    Batch dx = stage.backward(c, dy, keep_graph, wanted_inputs, wanted, external_grads);
     auto& sum = sums[static_cast<size_t>(j)];
     for (size_t e = 0; e < external_grads.size(); ++e) {
       auto& g = external_grads[e];

@@ -153,7 +153,8 @@ Stage::Stage(int64_t index, std::unique_ptr<Layers> layers, c10::Device device)
 //
 // So every cell is exact, including a layer that draws only on some
 // micro-batches, and a stage that never draws keeps full concurrency.
-Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint) {
+Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint,
+                     const Batch* watched) {
   if (!at::GradMode::is_enabled()) {
     // Inference: no graph, nothing kept.
     return layers_->forward(input);
@@ -197,6 +198,19 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
   window.close();
   cell.cut = cut_at_externals(out.values, window, entry.leaves);
   Batch leaving = leave(out, grad_flags(out));
+  const bool mutated = versions(input) != versions_before;
+  int expected = kUnknown;
+  const bool learned = mutates_input_.compare_exchange_strong(expected, mutated ? kMutates : kKeeps);
+  cell.input_counters.clear();
+  cell.input_versions.clear();
+  auto watch = [&cell](const Batch& batch) {
+    for (const auto& t : batch.values) {
+      if (!t.defined()) continue;
+      cell.input_counters.push_back(t.unsafeGetTensorImpl()->version_counter());
+      cell.input_versions.push_back(cell.input_counters.back().current_version());
+    }
+  };
+  if (watched != nullptr) watch(*watched);
   auto keep_graph = [&] {
     cell.checkpointed = false;
     cell.saved = Batch();
@@ -208,9 +222,7 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
   };
   if (!checkpoint) return keep_graph();
 
-  const bool mutated = versions(input) != versions_before;
-  int expected = kUnknown;
-  if (!mutates_input_.compare_exchange_strong(expected, mutated ? kMutates : kKeeps)) {
+  if (!learned) {
     TORCH_CHECK(!(expected == kKeeps && mutated), "stage ", index_,
                 " modified its input in place although it did not on earlier micro-batches, so "
                 "its checkpoint holds no copy to recompute from; use Checkpoint::Never for this "
@@ -238,32 +250,39 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
   if (!replayable) return keep_graph();
 
   cell.checkpointed = true;
-  // Watch the input as handed in (the caller's own tensors on stage 0) for
-  // in-place changes before the recompute reads it. A stage that changes its
-  // input itself recomputes from a copy and needs no watch.
-  cell.input_counters.clear();
-  cell.input_versions.clear();
-  if (!mutated) {
-    for (const auto& t : input.values) {
-      if (!t.defined()) continue;
-      cell.input_counters.push_back(t.unsafeGetTensorImpl()->version_counter());
-      cell.input_versions.push_back(cell.input_counters.back().current_version());
-    }
+  // An output that is the input (or a view of it) hands the input on: the
+  // next stage may change it in place, which the plain model allows unless
+  // it saved the input. Recompute from a copy then.
+  bool aliased = false;
+  for (const auto& o : leaving.values) {
+    for (const auto& t : input.values) aliased |= o.defined() && t.defined() && o.is_alias_of(t);
   }
+  if (aliased && mutates_input_.load() == kKeeps) {
+    cell.saved = cloned(input);
+    cell.input_counters.clear();
+    cell.input_versions.clear();
+    return leaving;
+  }
+  // Otherwise watch the input as handed in for in-place changes before the
+  // recompute reads it. A stage that changes its input itself recomputes
+  // from a copy: no watch needed.
+  if (!mutated && watched == nullptr) watch(input);
   return leaving;  // `out` and `entry` go: the graph is freed here
 }
 
-void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
+void Stage::check_watched(const Cell& cell) const {
   for (size_t k = 0; k < cell.input_counters.size(); ++k) {
     const uint32_t now = cell.input_counters[k].current_version();
     TORCH_CHECK(now == cell.input_versions[k],
                 "one of the variables needed for gradient computation has been modified by an "
-                "inplace operation: the input of stage ", index_,
-                " (a checkpointed micro-batch recomputes from it) is at version ", now,
+                "inplace operation: the input of stage ", index_, " is at version ", now,
                 "; expected version ", cell.input_versions[k],
-                " instead. Don't change the Pipe's input (or a stage's output) in place between "
-                "forward and backward, or use checkpoint 'never'");
+                " instead. Don't change the Pipe's input in place between forward and backward");
   }
+}
+
+void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
+  check_watched(cell);
   RngLocks locks;
   std::vector<at::Tensor> live(generators_.size());
   for (size_t g = 0; g < generators_.size(); ++g) {
@@ -301,9 +320,11 @@ void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
 }
 
 Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
-                      const std::vector<bool>& wanted, std::vector<at::Tensor>& external_grads) {
+                      const std::vector<bool>& wanted_inputs, const std::vector<bool>& wanted,
+                      std::vector<at::Tensor>& external_grads) {
   TORCH_CHECK(grads.size() == cell.outputs.size(), "stage ", index_, " produced ",
               cell.outputs.size(), " outputs but received ", grads.size(), " grads");
+  if (!cell.checkpointed) check_watched(cell);  // recompute checked already
   const Cut& cut = cell.cut;
   TORCH_INTERNAL_ASSERT(wanted.size() == cut.externals.size());
   external_grads.assign(cut.externals.size(), at::Tensor());
@@ -334,7 +355,7 @@ Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
   result.atomic = cell.input_atomic;
   result.values.assign(cell.leaves.size(), at::Tensor());
   for (size_t k = 0; k < cell.leaves.size(); ++k) {
-    if (!cell.leaves[k].defined()) continue;
+    if (!cell.leaves[k].defined() || k >= wanted_inputs.size() || !wanted_inputs[k]) continue;
     targets.push_back(torch::autograd::impl::gradient_edge(cell.leaves[k]));
     slots.push_back(&result.values[k]);
   }

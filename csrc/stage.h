@@ -36,9 +36,10 @@ struct Cell {
   /// Checkpointed: the stage input to recompute from, and its grad flags.
   Batch saved;
   std::vector<bool> saved_requires_grad;
-  /// Checkpointed: the version counters of the input as handed in, and
-  /// their versions after the first forward. Recompute refuses to run from
-  /// an input changed in place since (autograd's saved-tensor check).
+  /// The version counters of the tensors the cell watches (see
+  /// Stage::forward), and their versions after the first forward. The
+  /// backward refuses to run from an input changed in place since
+  /// (autograd's saved-tensor check).
   std::vector<c10::VariableVersion> input_counters;
   std::vector<uint32_t> input_versions;
   /// Checkpointed: the state of each of the stage's generators before the
@@ -64,6 +65,8 @@ class Stage {
   const Lane& lane() const noexcept { return lane_; }
   c10::Device device() const noexcept { return lane_.device; }
   size_t generator_count() const noexcept { return generators_.size(); }
+  /// Whether the layers were seen to modify their input in place.
+  bool mutates_input() const noexcept { return mutates_input_.load() == 1; }
   /// F(i). Under grad mode builds the stage-local graph (so the outputs
   /// need grad exactly where the plain model's would, and `cell.externals`
   /// is known) and keeps in `cell` what backward needs: the graph, or
@@ -73,7 +76,11 @@ class Stage {
   /// checkpointed, so every cell takes the generator locks. Returns the
   /// outputs for the next stage, without history but with the grad flags
   /// the next stage must honour.
-  Batch forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint);
+  /// `watched`: tensors whose in-place change before the cell's backward
+  /// makes it refuse, as autograd's saved-tensor check would (stage 0: the
+  /// caller's own tensors). A checkpointed cell also watches its input.
+  Batch forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint,
+                const Batch* watched = nullptr);
 
   /// The first half of B(i) for a checkpointed cell: rebuilds the stage's
   /// graph from the saved input with the saved generator states, under
@@ -85,12 +92,17 @@ class Stage {
   /// `grads` (one per output, undefined where none) through the stage and
   /// returns the grads of the cell's inputs. `external_grads` receives, for
   /// each of `cell.cut.externals` with `wanted` set, the grad flowing into it
-  /// (undefined where none); nothing accumulates into any `.grad`.
+  /// (undefined where none); nothing accumulates into any `.grad`. Input
+  /// grads are computed where `wanted_inputs` says so (one flag per input
+  /// value), so autograd runs only the parts of the graph it must.
   /// `keep_graph` keeps the cell usable for another backward.
-  Batch backward(Cell& cell, const Batch& grads, bool keep_graph, const std::vector<bool>& wanted,
+  Batch backward(Cell& cell, const Batch& grads, bool keep_graph,
+                 const std::vector<bool>& wanted_inputs, const std::vector<bool>& wanted,
                  std::vector<at::Tensor>& external_grads);
 
  private:
+  /// Refuses (autograd's error) when a watched tensor changed since forward.
+  void check_watched(const Cell& cell) const;
 
   int64_t index_;
   std::unique_ptr<Layers> layers_;

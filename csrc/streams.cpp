@@ -1,12 +1,17 @@
 // streams.cpp — device-generic streams and events (c10 virtual guards), so one build serves CPU and CUDA torch.
 #include "streams.h"
 
+#include "trace.h"
+
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
 
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <optional>
+#include <utility>
 
 namespace gpipe::detail {
 
@@ -33,7 +38,47 @@ at::Tensor moved(const at::Tensor& t, c10::Device device, bool non_blocking) {
   return out;
 }
 
+// Every accelerator stream of a lane: compute, copy and the source copy
+// streams (a CPU lane has only the last).
+std::vector<c10::Stream> streams_of(const Lane& lane) {
+  std::vector<c10::Stream> out;
+  if (!lane.device.is_cpu()) {
+    out.push_back(lane.compute);
+    if (lane.copy != lane.compute) out.push_back(lane.copy);
+  }
+  if (lane.sources) {
+    for (const auto& s : lane.sources->all()) {
+      if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
+    }
+  }
+  return out;
+}
+
+// The stream copies from `source` into `lane` run on.
+c10::Stream source_stream(const Lane& lane, c10::Device source) {
+  if (lane.sources) return lane.sources->on(source);
+  // A Lane made without its cache (aggregate-initialised with a null one):
+  // the source device's current stream, as ATen would use anyway.
+  c10::impl::VirtualGuardImpl impl(source.type());
+  return impl.getStream(source);
+}
+
 }  // namespace
+
+c10::Stream SourceStreams::on(c10::Device source) {
+  std::lock_guard<std::mutex> hold(mutex_);
+  for (const auto& s : streams_) {
+    if (s.device() == source) return s;
+  }
+  c10::impl::VirtualGuardImpl impl(source.type());
+  streams_.push_back(impl.getStreamFromGlobalPool(source));
+  return streams_.back();
+}
+
+std::vector<c10::Stream> SourceStreams::all() const {
+  std::lock_guard<std::mutex> hold(mutex_);
+  return streams_;
+}
 
 Lane make_lane(c10::Device device) {
   if (device.is_cpu()) {
@@ -70,31 +115,53 @@ Payload from_current_streams(Batch batch) {
   return payload;
 }
 
-Batch receive(Payload payload, const Lane& lane) {
+Batch receive(Payload payload, const Lane& lane, Span* copy) {
   Batch& batch = payload.batch;
   bool any_copy = false;
   for (const auto& t : batch.values) {
     if (t.defined() && t.device() != lane.device) any_copy = true;
   }
   if (lane.device.is_cpu()) {
-    // Accelerator -> CPU: wait on the host for the producer, then copy.
+    // Accelerator -> CPU: wait on the host for the producers, then copy on
+    // the source's copy stream (a blocking copy: done when it returns).
     for (const auto& ev : payload.ready) ev->synchronize();
     if (any_copy) {
+      if (copy != nullptr) copy->restart();
       for (auto& t : batch.values) {
-        if (t.defined() && !t.device().is_cpu()) t = moved(t, lane.device, false);
+        if (!on_accelerator(t)) continue;
+        c10::StreamGuard on_source(source_stream(lane, t.device()));
+        t = moved(t, lane.device, /*non_blocking=*/false);
       }
     }
     return std::move(batch);
   }
   if (any_copy) {
-    // Copies run on the copy stream once the producer is done; the source is
-    // recorded there (the producer may free it meanwhile), the destination
-    // was allocated there and is recorded on the compute stream below.
+    // The destination is allocated on the copy stream (current while it is
+    // made) and recorded on the compute stream below. The copy stream waits
+    // for the producers too: values already on this device are covered by
+    // the one `done` event that the compute stream waits for.
     c10::StreamGuard on_copy(lane.copy);
     wait_all(payload.ready, lane.copy);
+    if (copy != nullptr) copy->restart(lane.copy);
+    std::vector<c10::Stream> ordered;  // source copy streams already waiting for `ready`
     for (auto& t : batch.values) {
       if (!t.defined() || t.device() == lane.device) continue;
-      record_on(t, lane.copy);
+      if (t.device().is_cpu()) {
+        t = moved(t, lane.device, /*non_blocking=*/true);  // host -> device, on lane.copy
+        continue;
+      }
+      // Device -> device: ATen runs it on the source device's current
+      // stream, so make the source copy stream current there as well
+      // (lane.copy stays current on this device: ATen orders it after the
+      // copy). The source is recorded there: its producer may free it
+      // meanwhile, and the allocator must not reuse it before the copy ran.
+      const c10::Stream source = source_stream(lane, t.device());
+      if (std::find(ordered.begin(), ordered.end(), source) == ordered.end()) {
+        wait_all(payload.ready, source);
+        ordered.push_back(source);
+      }
+      record_on(t, source);
+      c10::StreamGuard on_source(source);
       t = moved(t, lane.device, /*non_blocking=*/true);
     }
     payload.ready = mark(lane.copy);
@@ -115,6 +182,70 @@ Batch settle(Payload payload) {
     record_on(t, impl.getStream(t.device()));
   }
   return std::move(payload.batch);
+}
+
+void wait_for_current_streams(const std::vector<const Lane*>& lanes) {
+  // One event per device, on the caller's current stream there.
+  std::vector<std::pair<c10::Device, c10::Event>> marks;
+  auto mark_of = [&marks](c10::Device device) -> const c10::Event& {
+    for (const auto& [d, ev] : marks) {
+      if (d == device) return ev;
+    }
+    c10::impl::VirtualGuardImpl impl(device.type());
+    c10::Event ev(device.type());
+    ev.record(impl.getStream(device));
+    marks.emplace_back(device, std::move(ev));
+    return marks.back().second;
+  };
+  for (const Lane* lane : lanes) {
+    if (lane == nullptr) continue;
+    for (const auto& s : streams_of(*lane)) mark_of(s.device()).block(s);
+  }
+}
+
+void current_streams_wait_for(const std::vector<const Lane*>& lanes) {
+  // One event per stream any lane uses, then every device's current (and
+  // default) stream waits for the events of the streams on that device.
+  std::vector<c10::Stream> streams;
+  for (const Lane* lane : lanes) {
+    if (lane == nullptr) continue;
+    for (const auto& s : streams_of(*lane)) {
+      if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
+    }
+  }
+  std::vector<c10::Device> devices;
+  std::vector<c10::Event> events;
+  events.reserve(streams.size());
+  for (const auto& s : streams) {
+    events.emplace_back(s.device_type());
+    events.back().record(s);
+    if (std::find(devices.begin(), devices.end(), s.device()) == devices.end()) {
+      devices.push_back(s.device());
+    }
+  }
+  for (const auto& device : devices) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    const c10::Stream current = impl.getStream(device);
+    std::optional<c10::Stream> fallback;
+    try {
+      fallback = impl.getDefaultStream(device);
+    } catch (const c10::Error&) {
+      // A backend without a default stream: only the current one.
+    }
+    for (size_t e = 0; e < events.size(); ++e) {
+      if (streams[e].device() != device) continue;
+      events[e].block(current);
+      if (fallback && *fallback != current) events[e].block(*fallback);
+    }
+  }
+}
+
+void record_on_current_streams(const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) {
+    if (!on_accelerator(t)) continue;
+    c10::impl::VirtualGuardImpl impl(t.device().type());
+    record_on(t, impl.getStream(t.device()));
+  }
 }
 
 }  // namespace gpipe::detail

@@ -1,14 +1,54 @@
 // streams.h — each stage's compute and copy streams, and handing a batch from one stream to another.
 //
-// Ordering across stages (accelerators; CPU skips all of it):
+// Everything here is a no-op on CPU (the CPU guard has one stream and its
+// event calls throw): the orderings below concern accelerator streams only.
 //
-//   stage j-1 compute stream   F(i) --record(ready)-->
-//   stage j copy stream                 wait(ready)  copy  --record(done)-->
-//   stage j compute stream                                  wait(done)  F(i)
+// A step, as the streams see it (stage j on accelerator d; cur(d) is the
+// caller's current stream on d; "rec" records an event, "wait" waits for one):
 //
-// Tensors that cross streams are recorded on the stream that uses them
-// (`recordDataPtrOnStream`), so the caching allocator cannot hand their
-// memory out again before that stream is done with it.
+//   cur(d)     optimizer.step() rec(e0)                                  wait(e1) optimizer.step()
+//   j copy                      wait(e0) copies in ...             rec(e1)
+//   j compute                   wait(e0) F(0)..F(M-1) B(M-1)..B(0) rec(e1)
+//                               ^                                  ^
+//                    wait_for_current_streams           current_streams_wait_for
+//
+// Without the first wait, F reads parameters optimizer.step() is still
+// writing; without the second, optimizer.step() reads .grad before B has
+// written it (autograd orders its own streams after PipeBackward's current
+// stream, which is cur(d) on the output's device, and the default stream of
+// the other devices: both wait here).
+//
+// A hand-over between stages (a Payload carries the producer's `ready`
+// events; `receive` orders the consumer after them):
+//
+//   j-1 compute (d0)  F(i) rec(ready)
+//   source copy (d0)            wait(ready) copy d0 -> d1
+//   j copy (d1)                 wait(ready)              wait(copy) rec(done)
+//   j compute (d1)                                                  wait(done) F(i)
+//
+// ATen enqueues a device-to-device copy on the SOURCE device's current
+// stream, with a two-way barrier to the destination's current stream
+// ("wait(copy)" above). So during the copy both copy streams are current:
+// the copy runs on the source copy stream (one per receiving lane and source
+// device, `Lane::sources`), not on whatever the thread had current on d0. A
+// CPU source (host -> device) copies on j's copy stream; a CPU destination
+// waits for `ready` on the host, then copies on the source copy stream.
+//
+// Memory that crosses streams (the caching allocator reuses a freed block
+// on the stream it was allocated on, as soon as the host frees it):
+//   * the source of a copy is recorded on the source copy stream that reads it;
+//   * everything a stage receives is recorded on its compute stream;
+//   * what we hand to the caller (outputs in `settle`; input grads in
+//     `settle`; parameter and other leaf grads summed on a stage stream:
+//     `record_on_current_streams`) is recorded on the caller's current
+//     stream of its device. So when the caller frees it there (zero_grad()
+//     setting .grad to None, dropping an output), the block is not handed
+//     out again to a stage stream before cur(d) has finished reading it.
+// A block the caller frees that autograd allocated on a stage stream (a .grad
+// accumulated there, when the parameter's accumulator was made on a worker)
+// is covered by `wait_for_current_streams` at the next step: no stage stream
+// allocates again before it has waited for cur(d). (Pool streams are shared
+// within the process: another user of the same pool stream is not covered.)
 #pragma once
 
 #include "microbatch.h"
@@ -18,15 +58,37 @@
 #include <c10/core/Stream.h>
 
 #include <memory>
+#include <mutex>
 #include <vector>
 
 namespace gpipe::detail {
 
-/// A device and the two streams one stage uses on it.
+class Span;
+
+/// Streams on other devices that copies into one lane run on: one pool
+/// stream per source device, made on first use. Thread-safe.
+class SourceStreams {
+ public:
+  /// The stream on `source` that copies from `source` into the owning lane
+  /// run on.
+  c10::Stream on(c10::Device source);
+  /// Every stream made so far.
+  std::vector<c10::Stream> all() const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<c10::Stream> streams_;
+};
+
+/// A device and the streams one stage uses on it.
 struct Lane {
   c10::Device device;
   c10::Stream compute;
+  /// Copies into this stage run here (and, for a device-to-device copy, on
+  /// the source device's stream in `sources` at the same time).
   c10::Stream copy;
+  /// Shared by copies of the Lane.
+  std::shared_ptr<SourceStreams> sources = std::make_shared<SourceStreams>();
 };
 
 /// Streams from the device's pool (CPU: its single default stream).
@@ -48,12 +110,36 @@ std::vector<std::shared_ptr<c10::Event>> mark(const c10::Stream& stream);
 Payload from_current_streams(Batch batch);
 
 /// Makes the payload usable on `lane.compute`: tensors on other devices are
-/// copied over `lane.copy`; everything is ordered by events and recorded on
-/// the compute stream. Call with no stream guard needed.
-Batch receive(Payload payload, const Lane& lane);
+/// copied over `lane.copy` (and the source device's copy stream); everything
+/// is ordered by events and recorded on the compute stream. Call with no
+/// stream guard needed. When `copy` is given and something is copied, it is
+/// restarted where the copies start (after the waits for the producers), so
+/// that its finish(), right after this returns, times the copies alone.
+Batch receive(Payload payload, const Lane& lane, Span* copy = nullptr);
 
 /// Makes the payload usable on the current stream of each tensor's device
-/// (the caller's side, after the last stage).
+/// (the caller's side, after the last stage), and records each tensor there.
 Batch settle(Payload payload);
+
+/// Start of a step (a forward or a backward call): every stream of every
+/// lane waits for the caller's current stream on the lane's device, where
+/// the caller may just have updated the parameters (optimizer.step()) or
+/// written the input. Call on the caller's thread, before any cell runs.
+void wait_for_current_streams(const std::vector<const Lane*>& lanes);
+
+/// End of a step: the caller's current stream on every device a lane uses
+/// (and that device's default stream, where autograd assumes a grad coming
+/// from another device was produced) waits for all work queued so far on
+/// every stream of every lane. Call on the thread that returns to the caller
+/// (for backward: the one running PipeBackward, whose current stream is the
+/// one autograd takes PipeBackward's grads from), after the last cell.
+void current_streams_wait_for(const std::vector<const Lane*>& lanes);
+
+/// Records each accelerator tensor on the current stream of its device: for
+/// tensors made on a stage stream and handed to the caller (summed parameter
+/// grads), so the caching allocator does not reuse their memory while the
+/// caller's stream still reads it. Order the current streams after the
+/// producers first (`current_streams_wait_for` or `settle`).
+void record_on_current_streams(const std::vector<at::Tensor>& tensors);
 
 }  // namespace gpipe::detail

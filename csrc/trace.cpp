@@ -1,6 +1,7 @@
 // trace.cpp — recording events, and what a trace says: Chrome JSON, bubble, busy time.
 #include "trace.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -139,11 +140,33 @@ int64_t thread_number() {
   return number;
 }
 
+using Micro = std::chrono::duration<double, std::micro>;
+
+// A timing event recorded on an otherwise idle stream of `device` and the
+// host time it ran at (see Tracer in trace.h).
+struct Reference {
+  c10::Device device;
+  c10::Event event;
+  Tracer::Clock::time_point host;
+};
+
+Reference reference(c10::Device device) {
+  c10::impl::VirtualGuardImpl impl(device.type());
+  // High priority: the lanes take low-priority pool streams, so this one
+  // has nothing of ours queued and runs the event at once.
+  const c10::Stream idle = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
+  c10::Event event(device.type(), c10::EventFlag::BACKEND_DEFAULT);
+  const auto before = Tracer::Clock::now();
+  event.record(idle);
+  event.synchronize();
+  const auto after = Tracer::Clock::now();
+  return Reference{device, std::move(event), before + (after - before) / 2};
+}
+
 }  // namespace
 
 void Tracer::record(int64_t step, int64_t stage, int64_t microbatch, TracePhase phase,
                     Clock::time_point start, Clock::time_point end) {
-  using Micro = std::chrono::duration<double, std::micro>;
   TraceEvent e;
   e.step = step;
   e.stage = stage;
@@ -156,15 +179,107 @@ void Tracer::record(int64_t step, int64_t stage, int64_t microbatch, TracePhase 
   events_.push_back(e);
 }
 
+void Tracer::record(int64_t step, int64_t stage, int64_t microbatch, TracePhase phase,
+                    c10::Event start, c10::Event end) {
+  TraceEvent e;
+  e.step = step;
+  e.stage = stage;
+  e.microbatch = microbatch;
+  e.phase = phase;
+  e.thread = thread_number();
+  std::lock_guard<std::mutex> hold(mutex_);
+  pending_.push_back(Pending{e, std::move(start), std::move(end)});
+  if (pending_.size() >= next_resolve_) {
+    resolve(/*wait=*/false);
+    next_resolve_ = pending_.size() + 4096;
+  }
+}
+
+void Tracer::resolve(bool wait) const {
+  if (pending_.empty()) return;
+  // Which pending events are done, and on which devices.
+  std::vector<bool> done(pending_.size(), false);
+  std::vector<c10::Device> devices;
+  for (size_t p = 0; p < pending_.size(); ++p) {
+    if (wait) pending_[p].end.synchronize();
+    done[p] = wait || pending_[p].end.query();
+    const auto device = pending_[p].end.device();
+    if (done[p] && std::find(devices.begin(), devices.end(), device) == devices.end()) {
+      devices.push_back(device);
+    }
+  }
+  if (devices.empty()) return;
+  // A fresh reference per device, recorded after every resolved end event
+  // completed, so it is later than all of them on the device's clock.
+  std::vector<Reference> references;
+  references.reserve(devices.size());
+  for (const auto& device : devices) references.push_back(reference(device));
+
+  std::vector<Pending> still;
+  const size_t before = events_.size();
+  for (size_t p = 0; p < pending_.size(); ++p) {
+    auto& item = pending_[p];
+    if (!done[p]) {
+      still.push_back(std::move(item));
+      continue;
+    }
+    const auto device = item.end.device();
+    const auto& ref = *std::find_if(references.begin(), references.end(),
+                                    [&](const Reference& r) { return r.device == device; });
+    // elapsedTime: milliseconds from this event to the other.
+    const double to_ref_us = item.start.elapsedTime(ref.event) * 1000.0;
+    const double length_us = item.start.elapsedTime(item.end) * 1000.0;
+    TraceEvent e = item.event;
+    e.start_us = Micro(ref.host - origin_).count() - to_ref_us;
+    e.end_us = e.start_us + length_us;
+    events_.push_back(e);
+  }
+  pending_ = std::move(still);
+  if (events_.size() > before) {
+    std::stable_sort(events_.begin(), events_.end(),
+                     [](const TraceEvent& a, const TraceEvent& b) { return a.end_us < b.end_us; });
+  }
+}
+
 Trace Tracer::snapshot() const {
   std::lock_guard<std::mutex> hold(mutex_);
+  resolve(/*wait=*/true);
   return Trace{events_};
 }
 
 void Tracer::clear() {
   std::lock_guard<std::mutex> hold(mutex_);
   events_.clear();
+  pending_.clear();
+  next_resolve_ = 4096;
   steps_.store(0, std::memory_order_relaxed);
+}
+
+void Span::restart(const c10::Stream& stream) {
+  if (!active_) return;
+  if (stream.device().is_cpu()) {
+    restart();
+    return;
+  }
+  c10::Event start(stream.device_type(), c10::EventFlag::BACKEND_DEFAULT);
+  start.record(stream);
+  start_.reset();
+  device_start_.emplace(std::move(start));
+  stream_ = stream;
+}
+
+void Span::finish() {
+  if (!active_) return;
+  active_ = false;
+  if (device_start_) {
+    c10::Event end(stream_->device_type(), c10::EventFlag::BACKEND_DEFAULT);
+    end.record(*stream_);
+    tracer_.record(step_, stage_, microbatch_, phase_, std::move(*device_start_), std::move(end));
+    device_start_.reset();
+  } else if (start_) {
+    tracer_.record(step_, stage_, microbatch_, phase_, *start_, Tracer::Clock::now());
+    start_.reset();
+  }
 }
 
 }  // namespace detail
