@@ -1,4 +1,4 @@
-# gpu.py — gpipe on one GPU: two stages on separate streams against the plain model, and checkpoint memory.
+# gpu.py — gpipe on one GPU: two stages on separate streams against the plain model, checkpoint memory, the traced bubble.
 """Step time and peak memory of gpipe.Pipe on one CUDA device.
 
     python3 bench/gpu.py [--quick]
@@ -16,6 +16,14 @@ Without a CUDA device it prints "skipped: no CUDA" and exits 0.
     step, above what was allocated when the step began (parameters, their
     grads, cuBLAS workspaces: all made by an untimed warm-up step), and the
     median step time.
+(iii) The trace on a GPU. 8 x (Linear(4096, 4096) + ReLU), batch 4096, 4
+    stages on cuda:0, M = 8, checkpoint 'never': one traced step's measured
+    bubble against GPipe's (K-1)/(M+K-1). The cells are timed by device
+    events, so busy time is the device's; with all stages sharing one GPU
+    their kernels may run at once, so busy times can overlap and the
+    measured bubble can fall below the ideal (timed on the host, as before,
+    cells would last only as long as queueing their kernels, and the bubble
+    would sit near 1).
 
 A step is forward, loss = output.mean(), backward; each is timed between two
 torch.cuda.synchronize() calls, and the median of the timed steps is
@@ -23,6 +31,7 @@ reported. The last lines are
 
     BENCH gpu device="<name>" pipe_over_plain=<ratio> plain_s=<s> pipe_s=<s>
     BENCH gpu_memory always_over_never=<ratio> time_always_over_never=<ratio> ...
+    BENCH gpu_trace bubble=<measured> ideal_bubble=<ideal> busy_over_span=<ratio>
 
 About a minute on an H200; --quick shrinks every size for a smoke run.
 """
@@ -135,6 +144,31 @@ def memory(gpipe, quick: bool) -> Dict[str, Dict[str, float]]:
     return results
 
 
+def traced(gpipe, quick: bool) -> Dict[str, float]:
+    """(iii): one traced step of 4 stages on cuda:0; the measured bubble against the ideal."""
+    pairs, width, batch, chunks = (4, 256, 1024, 8) if quick else (8, 4096, 4096, 8)
+    stages = 4
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    x = torch.randn(batch, width, device=device)
+    pipe = gpipe.Pipe(mlp(pairs, width), balance=[2 * pairs // stages] * stages,
+                      devices=[device] * stages, chunks=chunks, checkpoint="never")
+    step = training_step(pipe, x)
+    step()  # warm-up: cuBLAS per stream, the allocator
+    torch.cuda.synchronize()
+    with gpipe.tracing(pipe) as trace:
+        step()
+    summary = trace.summary()
+    busy = sum(summary.busy_us) / stages
+    del pipe, step
+    torch.cuda.empty_cache()
+    print(f"(iii) {pairs} x (Linear({width}, {width}) + ReLU), float32, batch {batch}; "
+          f"Pipe: {stages} stages on cuda:0, M = {chunks}, one traced step (device-timed cells)")
+    print(str(summary).rstrip())
+    return {"bubble": summary.bubble, "ideal": summary.ideal_bubble,
+            "busy_over_span": busy / summary.span_us if summary.span_us > 0 else 0.0}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
@@ -156,6 +190,8 @@ def main() -> int:
     o = overlap(gpipe, args.quick)
     print()
     m = memory(gpipe, args.quick)
+    print()
+    t = traced(gpipe, args.quick)
     print(f"\n({time.perf_counter() - start:.0f} s)")
     print(f'BENCH gpu device="{name}" pipe_over_plain={o["pipe_s"] / o["plain_s"]:.3f} '
           f'plain_s={o["plain_s"]:.4f} pipe_s={o["pipe_s"]:.4f}')
@@ -164,6 +200,8 @@ def main() -> int:
           f"time_always_over_never={always['s'] / never['s']:.3f} "
           f"except_last_over_never={except_last['peak'] / never['peak']:.3f} "
           f"never_peak_mib={never['peak'] / 2**20:.0f}")
+    print(f"BENCH gpu_trace bubble={t['bubble']:.3f} ideal_bubble={t['ideal']:.3f} "
+          f"busy_over_span={t['busy_over_span']:.3f}")
     return 0
 
 

@@ -74,7 +74,7 @@ Batch receive_traced(Payload in, const Lane& lane, Tracer& tracer, int64_t step,
   }
   if (!crosses) return receive(std::move(in), lane);
   Span span(tracer, step, stage, microbatch, TracePhase::Copy);
-  Batch out = receive(std::move(in), lane);
+  Batch out = receive(std::move(in), lane, &span);
   span.finish();
   return out;
 }
@@ -105,6 +105,13 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
     stages_.push_back(
         std::make_unique<Stage>(static_cast<int64_t>(j), std::move(layers[j]), devices[j]));
   }
+}
+
+std::vector<const Lane*> Engine::lanes() const {
+  std::vector<const Lane*> lanes;
+  lanes.reserve(stages_.size());
+  for (const auto& s : stages_) lanes.push_back(&s->lane());
+  return lanes;
 }
 
 std::unique_lock<std::mutex> Engine::one_call_at_a_time(const char* what) {
@@ -180,7 +187,7 @@ Batch Engine::forward(const Batch& input, bool training) {
         t = std::move(own);
       }
     }
-    Span span(tracer_, step, j, i, TracePhase::Forward);
+    Span span(tracer_, step, j, i, TracePhase::Forward, stage.lane().compute);
     // Stage 0 watches the caller's tensors where autograd cannot: from a
     // checkpointed cell's input, and behind counters of their own.
     const bool watch_caller = j == 0 && (own_counters || i < stop);
@@ -190,8 +197,19 @@ Batch Engine::forward(const Batch& input, bool training) {
     return Payload{std::move(y), mark(stage.lane().compute)};
   };
   // The one capture of the caller's state serves the forward cells and,
-  // later, the recomputes.
-  auto sinks = execute(gpipe_forward(k, m), std::move(sources), cell, *run->forward_state, {});
+  // later, the recomputes. The stages start after the caller's queued work
+  // (an optimizer step may just have written the parameters), and the
+  // caller's streams go on after the stages' (see streams.h).
+  const auto lanes = this->lanes();
+  wait_for_current_streams(lanes);
+  std::vector<Payload> sinks;
+  try {
+    sinks = execute(gpipe_forward(k, m), std::move(sources), cell, *run->forward_state, {});
+  } catch (...) {
+    current_streams_wait_for(lanes);
+    throw;
+  }
+  current_streams_wait_for(lanes);
 
   std::vector<Batch> outputs;
   outputs.reserve(sinks.size());
@@ -313,7 +331,7 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     }
     if (c.checkpointed) {
       phase = "recompute";
-      Span span(tracer_, run.step, j, i, TracePhase::Recompute);
+      Span span(tracer_, run.step, j, i, TracePhase::Recompute, stage.lane().compute);
       stage.recompute(c, *run.forward_state);
       span.finish();
       phase = "backward";
@@ -328,7 +346,7 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
                   "): the layers must build the same graph when run again on the same input");
       wanted[e] = needed[inputs + static_cast<size_t>(ids[e])];
     }
-    Span span(tracer_, run.step, j, i, TracePhase::Backward);
+    Span span(tracer_, run.step, j, i, TracePhase::Backward, stage.lane().compute);
     std::vector<at::Tensor> external_grads;
     Batch dx = stage.backward(c, dy, keep_graph, wanted_inputs, wanted, external_grads);
     auto& sum = sums[static_cast<size_t>(j)];
@@ -363,7 +381,18 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     }
   }
   const at::ThreadLocalState state;
-  auto sinks = execute(gpipe_backward(k, m), std::move(sources), cell, state, inline_stages);
+  // Ordered with the caller's streams both ways, as the forward (streams.h):
+  // optimizer.step() reads the grads on the current streams.
+  const auto lanes = this->lanes();
+  wait_for_current_streams(lanes);
+  std::vector<Payload> sinks;
+  try {
+    sinks = execute(gpipe_backward(k, m), std::move(sources), cell, state, inline_stages);
+  } catch (...) {
+    current_streams_wait_for(lanes);
+    throw;
+  }
+  current_streams_wait_for(lanes);
 
   std::vector<Batch> parts;
   parts.reserve(sinks.size());

@@ -87,6 +87,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
                                const CellFn& cell, const at::ThreadLocalState& state,
                                const std::vector<bool>& inline_stages);
 
+  /// Every stage's lane, in stage order.
+  std::vector<const Lane*> lanes() const;
   /// Refuses a call from inside a cell (a Pipe within a Pipe's layer) and
   /// makes other callers wait: one forward or backward at a time.
   std::unique_lock<std::mutex> one_call_at_a_time(const char* what);

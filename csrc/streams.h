@@ -122,7 +122,8 @@ Batch receive(Payload payload, const Lane& lane, Span* copy = nullptr);
 Batch settle(Payload payload);
 
 /// Start of a step (a forward or a backward call): every stream of every
-/// lane waits for the caller's current stream on the lane's device, where
+/// lane (compute, copy, source copy) waits for the caller's current stream
+/// on that stream's device, where
 /// the caller may just have updated the parameters (optimizer.step()) or
 /// written the input. Call on the caller's thread, before any cell runs.
 void wait_for_current_streams(const std::vector<const Lane*>& lanes);

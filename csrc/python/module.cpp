@@ -131,12 +131,13 @@ the outputs' grad_fn runs the backward half when backward() reaches it.)doc")
           "Whether every cell is being recorded.")
       .def(
           "trace", [](PyEngine& e) { return e.tracer().snapshot(); },
-          "The events recorded so far (a copy).")
+          "The events recorded so far (a copy); waits for device-timed cells to finish.",
+          py::call_guard<py::gil_scoped_release>())
       .def(
           "clear_trace", [](PyEngine& e) { e.tracer().clear(); },
           "Forgets the recorded events; the next forward is step 0.");
 
-  py::class_<gpipe::TraceEvent>(m, "TraceEvent", "One executed cell (or copy), timed on the host.")
+  py::class_<gpipe::TraceEvent>(m, "TraceEvent", "One executed cell (or copy): host times on CPU, device events on an accelerator.")
       .def_readonly("step", &gpipe::TraceEvent::step)
       .def_readonly("stage", &gpipe::TraceEvent::stage)
       .def_readonly("microbatch", &gpipe::TraceEvent::microbatch)

@@ -15,8 +15,11 @@ enum class TracePhase : uint8_t { Forward, Backward, Recompute, Copy };
 /// "forward", "backward", "recompute" or "copy".
 const char* to_string(TracePhase phase);
 
-/// One executed action, timed on the host (for CUDA stages: when the work
-/// was queued, not when the device ran it).
+/// One executed action. A CPU stage's actions are timed on the host; an
+/// accelerator stage's by timing events on its stream, so they say when the
+/// device ran the work (not when the host queued it), placed on the same
+/// host timeline within a few microseconds. Reading the trace waits for the
+/// device to finish the recorded work.
 struct TraceEvent {
   /// The forward call it belongs to (0, 1, ... since tracing started); a
   /// backward belongs to the step of its forward.

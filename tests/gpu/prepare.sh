@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# prepare.sh — copies Debian's Catch2 (header and CMake package) into .gpu-kit/catch2/, for the `run` tool to carry to a GPU machine.
+# prepare.sh — copies Debian's Catch2 (header and CMake package) into .gpu-kit/catch2/, to take along to a GPU machine.
 #
 #   bash tests/gpu/prepare.sh [DEST]      # DEST defaults to .gpu-kit/catch2
 #
 # Run on a machine where the Debian package catch2 (v2) is installed (ours:
-# scripts/setup.sh installs it). The GPU machines have no Catch2 and no
-# network, so tests/gpu/run.sh finds it in the carried folder instead. The
+# scripts/setup.sh installs it). A GPU machine may have neither Catch2 nor a
+# network; tests/gpu/run.sh then finds it in the copied folder instead. The
 # copy keeps Debian's layout, so its CMake package finds its header relative
 # to itself:
 #
@@ -13,7 +13,7 @@
 #   DEST/lib/cmake/Catch2/*.cmake            (Catch2Config, Catch.cmake, CatchAddTests ...)
 #   DEST/lib/libCatch2WithMain.a             (named by Catch2Targets; CMake checks it exists)
 #
-# .gpu-kit/ is ignored by git; carry it with the `run` tool (docs/gpu.md).
+# .gpu-kit/ is ignored by git: copy it along with the tree (docs/gpu.md).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -79,5 +79,5 @@ if ! cmake -S "$probe" -B "$probe/build" "-DCatch2_DIR=$dest/lib/cmake/Catch2" \
 fi
 grep 'probe:' "$probe/log" | sed 's/^-- /prepare.sh: /'
 
-echo "prepare.sh: Catch2 copied to $dest ($(du -sh "$dest" | cut -f1)); carry it with the run tool:"
-echo "  carry: [\"${dest#"$root"/}\"]   command: bash tests/gpu/run.sh"
+echo "prepare.sh: Catch2 copied to $dest ($(du -sh "$dest" | cut -f1)); copy it along with the tree"
+echo "  to the GPU machine (it is git-ignored) and run there: bash tests/gpu/run.sh"

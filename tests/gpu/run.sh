@@ -3,12 +3,12 @@
 #
 #   bash tests/gpu/run.sh          # at the repo root of a machine with a GPU (docs/gpu.md)
 #
-# Made for a lent GPU machine: torch, CMake, ninja and a CUDA toolkit
-# installed, no network, no Catch2, minutes of device time. So it downloads
+# Made for a borrowed GPU machine: torch, CMake, ninja and a CUDA toolkit
+# installed, perhaps no network and no Catch2, minutes of device time. So it downloads
 # nothing, keeps going after a failed step, gives every step a time limit
 # out of one budget, and always writes the report:
 #
-#   $OUT/gpu-report.md and $OUT/logs/   when OUT is set (the `run` tool's folder)
+#   $OUT/gpu-report.md and $OUT/logs/   when OUT is set (a folder to bring back)
 #   <build>/gpu-report.md and logs/     otherwise
 #
 # Steps, most important first (optional ones run only while time is left):
@@ -22,7 +22,7 @@
 #
 # Catch2 (v2, Debian's) is taken from, in order: $CATCH2_DIR (a prefix with
 # include/catch2/catch.hpp and lib/cmake/Catch2/), .gpu-kit/catch2/ (made by
-# tests/gpu/prepare.sh, carried by the `run` tool), the system. Without it
+# tests/gpu/prepare.sh and copied along with the tree), the system. Without it
 # the C++ tests cannot build: the report says so and the run fails.
 #
 # Environment: PYTHON (default python3), GPIPE_GPU_BUILD_DIR (default
@@ -144,7 +144,7 @@ elif [[ -f /usr/include/catch2/catch.hpp ]] \
   || compgen -G "/usr/lib/*/cmake/Catch2/Catch2Config.cmake" >/dev/null; then
   echo "gpu kit: Catch2 from the system"
 else
-  echo "gpu kit: no Catch2 (set CATCH2_DIR, or run tests/gpu/prepare.sh and carry .gpu-kit):" \
+  echo "gpu kit: no Catch2 (set CATCH2_DIR, or run tests/gpu/prepare.sh and copy .gpu-kit along):" \
        "building without the C++ tests"
   cmake_args+=(-DGPIPE_BUILD_TESTS=OFF)
   tests=0

@@ -1,13 +1,19 @@
-# test_cuda.py — the Pipe contract on CUDA from Python: one GPU, mixed devices, memory, failures.
+# test_cuda.py — the Pipe contract on CUDA from Python: one GPU, mixed devices, memory, streams, trace, failures.
 """CUDA tests of gpipe.Pipe with Python layers; skipped (with the reason shown by
 ``pytest -rs``) when no CUDA device is present. tests/gpu/run.sh runs them on a
-lent GPU machine; tests/cpp/test_cuda.cpp holds the C++ twins.
+machine with a GPU; tests/cpp/test_cuda.cpp holds the C++ twins.
 
-Why these prove the CUDA rules of DESIGN.md: with every stage on cuda:0, each
+Why these prove gpipe's CUDA rules (docs/gpu.md): with every stage on cuda:0, each
 stage computes on its own stream and hand-overs are ordered by events only;
 the output lives on cuda:0, so ``backward()`` reaches the Pipe's node on the
 autograd engine's cuda:0 thread, which every stage's own backward also needs
 (the deadlock rule; a hang fails the test through ``call_with_timeout``).
+
+The caller's streams: training loops with ``optimizer.step()`` between steps
+and grads read on the current stream right after ``backward()``, with no
+synchronisation; a "ballast" (tens of ms of matmuls on the current stream)
+makes a missing wait show as wrong numbers. The trace: a CPU stage's backward
+overlaps the CUDA stage's, on its own worker thread.
 """
 import copy
 import time
@@ -261,3 +267,139 @@ def test_destroying_cuda_pipes_never_blocks():
         return slowest
 
     assert result(make_and_drop) < 5.0
+
+
+# -- the caller's streams -------------------------------------------------------------
+
+def ballast(device: torch.device = GPU) -> None:
+    """Keeps the current stream of ``device`` busy for tens of milliseconds (20 float32
+    matmuls of 4096 x 4096, values kept bounded): work queued after it there runs late."""
+    a = torch.randn(4096, 4096, device=device)
+    for _ in range(20):
+        a = torch.tanh(a @ a / 64)
+
+
+@pytest.mark.parametrize("checkpoint", ["except_last", "never"])
+def test_optimizer_steps_between_steps_match_the_plain_model(checkpoint):
+    """20 steps, CPU input, GPU stages. ``optimizer.step()`` updates the parameters in
+    place on the current stream, late (behind a ballast): the next forward's stages must
+    wait for it or compute with the old parameters. The grads it reads must be the
+    finished ones; ``zero_grad()`` frees them every step."""
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
+                          nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4)).double()
+    ref = copy.deepcopy(model).to(GPU)
+    pipe = gpipe.Pipe(model, balance=[2, 2, 2, 1], devices=[GPU] * 4, chunks=8,
+                      checkpoint=checkpoint)
+    data = [(torch.randn(128, 32, dtype=torch.float64), torch.randn(128, 4, dtype=torch.float64))
+            for _ in range(20)]
+
+    def train(module: nn.Module, late: bool) -> List[Tensor]:
+        sgd = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for x, target in data:
+            sgd.zero_grad()
+            out = module(x if late else x.to(GPU))  # the Pipe takes the CPU batch
+            loss = nn.functional.mse_loss(out, target.to(out.device))
+            loss.backward()
+            if late:
+                ballast()
+            sgd.step()
+            losses.append(loss.detach())
+        return losses
+
+    got = result(lambda: train(pipe, late=True))
+    want = train(ref, late=False)
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert max_diff(a, b) <= TOL, f"step {k}: loss"
+    for (name, p), (_, q) in zip(pipe.named_parameters(), ref.named_parameters()):
+        assert max_diff(p, q) <= TOL, f"parameter {name} after 20 steps"
+
+
+@pytest.mark.parametrize("devices", [[GPU] * 4, [CPU, GPU, GPU, CPU]],
+                         ids=["gpu-only", "cpu-gpu-gpu-cpu"])
+def test_grads_read_right_after_backward_match_the_plain_model(devices):
+    """Wide float64 layers keep the GPU busy after the host returns from ``backward()``:
+    a clone of ``.grad`` on the current stream, unsynchronised, must still read the
+    finished grads. All on cuda:0, ``backward()`` reaches the Pipe on the autograd
+    engine's cuda:0 thread; with a CPU last stage, on this thread."""
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.Linear(64, 2048), nn.Tanh(), nn.Linear(2048, 2048), nn.Tanh(),
+                          nn.Linear(2048, 2048), nn.Tanh(), nn.Linear(2048, 8)).double()
+    ref = copy.deepcopy(model)  # stays on the CPU
+    pipe = gpipe.Pipe(model, balance=[2, 2, 2, 1], devices=devices, chunks=8, checkpoint="never")
+    inputs = [torch.randn(2048, 64, dtype=torch.float64) for _ in range(3)]
+
+    def run() -> List[List[Tensor]]:
+        grads = []
+        for x in inputs:
+            pipe.zero_grad(set_to_none=True)
+            pipe(x).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in pipe.parameters()])  # no synchronisation
+        return grads
+
+    got = result(run)
+    for k, x in enumerate(inputs):
+        ref.zero_grad(set_to_none=True)
+        ref(x).pow(2).mean().backward()
+        for (name, p), g in zip(ref.named_parameters(), got[k]):
+            assert max_diff(g, p.grad) <= TOL, f"step {k}: grad of {name}"
+
+
+def test_cpu_stage_backward_overlaps_the_cuda_stage_in_the_trace():
+    """Stage 0 on the CPU, stage 1 on cuda:0 (milliseconds of GPU work per micro-batch).
+    The output is on cuda:0, so the Pipe's backward runs on the autograd engine's cuda:0
+    thread: stage 1 runs inline there and stage 0 keeps its worker, so the CPU stage's
+    backward of micro-batch i runs while the GPU still runs stage 1's backward of i-1.
+    The trace shows that only if stage 1's cells are timed by the device."""
+    torch.manual_seed(13)
+    stage0: List[nn.Module] = [nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256)]
+    stage1: List[nn.Module] = [nn.Linear(256, 2048)]
+    for _ in range(8):
+        stage1 += [nn.ReLU(), nn.Linear(2048, 2048)]
+    stage1.append(nn.Linear(2048, 8))
+    pipe = gpipe.Pipe(nn.Sequential(*stage0, *stage1), balance=[len(stage0), len(stage1)],
+                      devices=[CPU, GPU], chunks=4, checkpoint="never")
+    x = torch.randn(8192, 64)
+
+    def step() -> None:
+        pipe(x).pow(2).mean().backward()
+
+    result(step)  # warm-up: cuBLAS, the caching allocator
+    torch.cuda.synchronize()
+    with gpipe.tracing(pipe) as trace:
+        result(step)
+
+    def cells(stage: int, phase: str) -> list:
+        return sorted((e for e in trace.events if e.stage == stage and e.phase == phase),
+                      key=lambda e: e.start_us)
+
+    f0, b0, b1 = cells(0, "forward"), cells(0, "backward"), cells(1, "backward")
+    assert len(b0) == len(b1) == 4
+    shown = " ".join(f"stage {e.stage} B{e.microbatch} [{e.start_us:.0f}, {e.end_us:.0f}] "
+                     f"thread {e.thread}" for e in b0 + b1)
+    worker = {e.thread for e in f0}
+    engine = {e.thread for e in b1}
+    for e in b0:
+        assert e.thread in worker, f"stage 0's backward not on its worker: {shown}"
+        assert e.thread not in engine, f"stage 0's backward on the engine thread: {shown}"
+    assert any(a.start_us < b.end_us and b.start_us < a.end_us for a in b0 for b in b1), \
+        f"no CPU backward cell overlaps a CUDA one: {shown}"
+    # Stage 0's B(i) needs stage 1's B(i): on the common timeline it starts after it
+    # ended (within the placement error of device times).
+    for a in b0:
+        b = next(b for b in b1 if b.microbatch == a.microbatch)
+        assert a.start_us >= b.end_us - 200, shown
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="fewer than 2 CUDA devices")
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_stages_alternating_between_two_gpus_transparent(checkpoint):
+    """Every hand-over a device-to-device copy, forward and backward."""
+    gpu1 = torch.device("cuda", 1)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    pipe = gpipe.Pipe(model, balance=[1, 2, 2, 2], devices=[GPU, gpu1, GPU, gpu1], chunks=4,
+                      checkpoint=checkpoint)
+    check_step(pipe, ref, torch.randn(12, 5, dtype=torch.float64, device=GPU), CPU, gpu1)
+    check_step(pipe, ref, torch.randn(12, 5, dtype=torch.float64), CPU, gpu1)
