@@ -1,0 +1,219 @@
+"""test_autograd.py — the plain model's autograd semantics from Python: outside tensors, autograd.grad, backward(inputs=), hooks, in-place inputs, threads."""
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import gpipe
+from conftest import MODES, TOL, assert_close, assert_same_grads, call_with_timeout, max_diff, mlp
+
+
+class OutsideMatmul(nn.Module):
+    """x @ w with a ``w`` the layer does not register (a closure over an outside tensor)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.get_w = lambda: w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.get_w()
+
+
+class TiedLinear(nn.Module):
+    """Uses another module's weight, transposed: a weight tied across stages."""
+
+    def __init__(self, other: nn.Linear) -> None:
+        super().__init__()
+        self.other = [other]  # a list: not registered as a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.other[0].weight
+
+
+class Constant(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ones(x.shape[0], 3, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("frozen", [False, True])
+def test_outside_tensor_gets_the_plain_models_grad(checkpoint: str, frozen: bool) -> None:
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    model = nn.Sequential(nn.Linear(3, 3), OutsideMatmul(w), nn.Tanh(), OutsideMatmul(w)).double()
+    if frozen:
+        model.requires_grad_(False)
+    ref = copy.deepcopy(model)  # the deep copy shares nothing, so rebuild its closures over w
+    ref[1].get_w = lambda: w
+    ref[3].get_w = lambda: w
+    pipe = gpipe.Pipe(model, balance=[1, 2, 1], devices=["cpu"] * 3, chunks=3, checkpoint=checkpoint)
+    x = torch.randn(7, 3, dtype=torch.float64)
+
+    want = ref(x)
+    (want ** 2).sum().backward()
+    want_w, w.grad = w.grad.clone(), None
+
+    got = pipe(x)
+    assert got.requires_grad == want.requires_grad
+    assert_close(got, want, what="output")
+    (got ** 2).sum().backward()
+    assert w.grad is not None
+    assert max_diff(w.grad, want_w) <= TOL
+    if not frozen:
+        assert_same_grads(pipe, ref)
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_weight_tied_across_stages(checkpoint: str) -> None:
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        first = nn.Linear(4, 4)
+        return nn.Sequential(first, nn.Tanh(), TiedLinear(first)).double()
+
+    ref, model = build(), build()
+    pipe = gpipe.Pipe(model, balance=[2, 1], devices=["cpu"] * 2, chunks=2, checkpoint=checkpoint)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    (ref(x) ** 2).sum().backward()
+    (pipe(x) ** 2).sum().backward()
+    assert_same_grads(pipe, ref)
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_constant_output_does_not_require_grad(checkpoint: str) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), Constant()).double()
+    pipe = gpipe.Pipe(model, balance=[1, 1], devices=["cpu"] * 2, chunks=2, checkpoint=checkpoint)
+    out = pipe(torch.randn(4, 3, dtype=torch.float64))
+    assert not out.requires_grad
+    assert out.grad_fn is None
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_autograd_grad_on_input_leaves_parameters_alone(checkpoint: str) -> None:
+    model = mlp()
+    ref = copy.deepcopy(model)
+    pipe = gpipe.Pipe(model, balance=[2, 3, 2], devices=["cpu"] * 3, chunks=3, checkpoint=checkpoint)
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    (got,) = torch.autograd.grad(pipe(x).sum(), x)
+    (want,) = torch.autograd.grad(ref(x).sum(), x)
+    assert max_diff(got, want) <= TOL
+    assert all(p.grad is None for p in pipe.parameters())
+    assert x.grad is None
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_autograd_grad_on_parameters(checkpoint: str) -> None:
+    model = mlp()
+    ref = copy.deepcopy(model)
+    pipe = gpipe.Pipe(model, balance=[2, 3, 2], devices=["cpu"] * 3, chunks=4, checkpoint=checkpoint)
+    x = torch.randn(6, 5, dtype=torch.float64)
+    got = torch.autograd.grad(pipe(x).sum(), list(pipe.parameters()))
+    want = torch.autograd.grad(ref(x).sum(), list(ref.parameters()))
+    for g, w in zip(got, want):
+        assert max_diff(g, w) <= TOL
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_backward_inputs_fills_only_those(checkpoint: str) -> None:
+    model = mlp()
+    ref = copy.deepcopy(model)
+    pipe = gpipe.Pipe(model, balance=[2, 3, 2], devices=["cpu"] * 3, chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    xr = x.detach().clone().requires_grad_(True)
+    pipe(x).sum().backward(inputs=[x, pipe[6].weight])
+    ref(xr).sum().backward(inputs=[xr, ref[6].weight])
+    assert max_diff(x.grad, xr.grad) <= TOL
+    assert max_diff(pipe[6].weight.grad, ref[6].weight.grad) <= TOL
+    for name, p in pipe.named_parameters():
+        assert (p.grad is not None) == (name == "6.weight"), name
+
+
+def test_parameter_hook_fires_once_with_the_whole_grad() -> None:
+    model = mlp()
+    ref = copy.deepcopy(model)
+    pipe = gpipe.Pipe(model, balance=[2, 3, 2], devices=["cpu"] * 3, chunks=4)
+    seen = []
+    pipe[0].weight.register_hook(lambda g: seen.append(g.clone()))
+    x = torch.randn(8, 5, dtype=torch.float64)
+    pipe(x).sum().backward()
+    ref(x).sum().backward()
+    assert len(seen) == 1
+    assert max_diff(seen[0], ref[0].weight.grad) <= TOL
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_input_changed_in_place_raises_like_autograd(checkpoint: str, chunks: int) -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    pipe = gpipe.Pipe(model, balance=[1, 2], devices=["cpu"] * 2, chunks=chunks, checkpoint=checkpoint)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    loss = pipe(x).sum()
+    x.add_(1.0)  # Linear saved x for its weight grad
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    pipe(torch.randn(6, 3, dtype=torch.float64)).sum().backward()  # the Pipe still works
+
+
+class DropoutWhenSmall(nn.Module):
+    """Dropout only on micro-batches of fewer than ``rows`` rows (the last, smaller one)."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x, 0.5, self.training) if x.shape[0] < self.rows else x * 1.0
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_conditional_dropout_replays_exactly(checkpoint: str) -> None:
+    model = nn.Sequential(nn.Identity(), DropoutWhenSmall(2), DropoutWhenSmall(2))
+    pipe = gpipe.Pipe(model, balance=[2, 1], devices=["cpu"] * 2, chunks=4, checkpoint=checkpoint)
+    for _ in range(3):
+        x = torch.ones(7, 64, dtype=torch.float64, requires_grad=True)
+        out = pipe(x)
+        out.sum().backward()
+        # out = x * masks / 0.25, and so is d out.sum() / dx if the replay drew the same masks.
+        assert max_diff(x.grad, out.detach()) <= TOL
+        assert bool((out[:6] == 1).all())
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_one_pipe_from_several_threads(grad: bool) -> None:
+    model = mlp()
+    ref = copy.deepcopy(model)
+    pipe = gpipe.Pipe(model, balance=[2, 3, 2], devices=["cpu"] * 3, chunks=3)
+    inputs = [torch.randn(6, 5, dtype=torch.float64) for _ in range(4)]
+    worst = [0.0] * len(inputs)
+
+    def work(t: int) -> None:
+        with torch.set_grad_enabled(grad):
+            for _ in range(10):
+                out = pipe(inputs[t])
+                if grad:
+                    out.sum().backward()
+                worst[t] = max(worst[t], max_diff(out, ref(inputs[t])))
+
+    def all_threads() -> None:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(len(inputs))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+
+    outcome = call_with_timeout(all_threads)
+    assert "error" not in outcome, outcome.get("error")
+    assert max(worst) <= TOL
+
+
+def test_pipe_inside_a_pipe_is_refused_at_once() -> None:
+    inner = gpipe.Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), balance=[1, 1],
+                       devices=["cpu"] * 2, chunks=2)
+    outer = gpipe.Pipe(nn.Sequential(nn.Linear(4, 4), inner), balance=[1, 1], devices=["cpu"] * 2,
+                       chunks=2)
+    x = torch.randn(4, 4)
+    outcome = call_with_timeout(lambda: outer(x))
+    assert "error" in outcome
+    assert "inside a layer of a Pipe" in str(outcome["error"])
+    inner(x).sum().backward()  # the inner Pipe still works on its own
