@@ -5,6 +5,7 @@
 #include "phase.h"
 #include "rng.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -117,6 +118,18 @@ Batch cloned(const Batch& batch) {
   return b;
 }
 
+// Runs the layers as one cell. Autocast keeps the casts of parameters in a
+// per-thread cache until the outermost autocast region ends, which never
+// happens on a worker: the cache would hand one cell's cast (and its graph
+// node) to the next cell and to later steps, stale after an optimizer step.
+// Each cell casts afresh instead.
+Batch run_layers(Layers& layers, const Batch& input) {
+  struct ClearCasts {
+    ~ClearCasts() { at::autocast::clear_cache(); }
+  } clear;
+  return layers.forward(input);
+}
+
 // Holds the generator locks a cell needs: exclusive around a checkpointed
 // forward and a recompute, shared around any other forward that may draw.
 class RngLocks {
@@ -157,7 +170,7 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
                      const Batch* watched) {
   if (!at::GradMode::is_enabled()) {
     // Inference: no graph, nothing kept.
-    return layers_->forward(input);
+    return run_layers(*layers_, input);
   }
   cell.input_atomic = input.atomic;
   const auto flags = grad_flags(input);
@@ -193,7 +206,7 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
   Batch out;
   {
     RunningGuard running(checkpoint ? Running::Checkpointing : Running::Plain);
-    out = layers_->forward(entry.input);
+    out = run_layers(*layers_, entry.input);
   }
   window.close();
   cell.cut = cut_at_externals(out.values, window, entry.leaves);
@@ -312,7 +325,7 @@ void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
                      cell.saved_requires_grad);
   {
     RunningGuard running(Running::Recomputing);
-    cell.outputs = layers_->forward(entry.input);
+    cell.outputs = run_layers(*layers_, entry.input);
   }
   window.close();
   cell.leaves = std::move(entry.leaves);

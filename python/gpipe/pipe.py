@@ -1,5 +1,5 @@
 """The Pipe module: an nn.Sequential run as a GPipe pipeline by the C++ engine."""
-from typing import Any, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -201,21 +201,48 @@ class Pipe(nn.Module):
             raise IndexError(f"index {index} is out of range for a Pipe of {n} layers")
         return self._layers[i]
 
+    def _moves(self, device: Optional[Device]) -> bool:
+        """Whether moving to ``device`` would change where any stage lives."""
+        if device is None:
+            return False
+        target = torch.device(device)
+        for d in self.devices:
+            if d.type != target.type:
+                return True
+            if target.index is not None and d.index != target.index:
+                return True
+        return False
+
     def cuda(self, device: Optional[Device] = None) -> "Pipe":
-        raise _MOVING_DENIED
+        """Allowed only when every stage already lives on that CUDA device
+        (nothing moves); a Pipe's stages keep the devices given at creation."""
+        if self._moves(torch.device("cuda", device) if isinstance(device, int) else device or "cuda"):
+            raise _MOVING_DENIED
+        return self
 
     def cpu(self) -> "Pipe":
-        raise _MOVING_DENIED
+        """Allowed only when every stage already lives on the CPU (nothing
+        moves); a Pipe's stages keep the devices given at creation."""
+        if self._moves("cpu"):
+            raise _MOVING_DENIED
+        return self
 
     def to(self, *args: Any, **kwargs: Any) -> "Pipe":
-        # Moving means a device (or a tensor to take one from) in the
-        # arguments; a dtype alone is a cast, which is fine.
-        if "device" in kwargs or "tensor" in kwargs:
+        """Casts parameters and buffers (``.to(torch.float64)``) like
+        ``nn.Module.to``. A device (or a tensor to take one from) is allowed
+        only when every stage already lives there: stages keep the devices
+        given at creation."""
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if self._moves(device):
             raise _MOVING_DENIED
-        if args:
-            if isinstance(args[0], (torch.device, int, str)) or isinstance(args[0], Tensor):
-                raise _MOVING_DENIED
-        return super().to(*args, **kwargs)
+        if dtype is None and memory_format is None:
+            return self
+        cast: Dict[str, Any] = {"non_blocking": non_blocking}
+        if dtype is not None:
+            cast["dtype"] = dtype
+        if memory_format is not None:
+            cast["memory_format"] = memory_format
+        return super().to(**cast)
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
         """Runs ``input`` (a tensor, or a tuple of tensors handed to the first

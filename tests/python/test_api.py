@@ -128,20 +128,34 @@ def test_load_state_dict_is_strict():
 
 
 @pytest.mark.parametrize("move", [
+    lambda p: p.to("cuda"),
+    lambda p: p.to(torch.device("cuda", 0)),
+    lambda p: p.to(device="meta"),
+    lambda p: p.to("cuda:0", torch.float64),
+    lambda p: p.to(torch.zeros(1, device="meta")),
+    lambda p: p.cuda(),
+    lambda p: p.cuda(0),
+], ids=["to-str", "to-device", "to-device-kwarg", "to-str-dtype", "to-tensor", "cuda", "cuda-0"])
+def test_moving_elsewhere_is_refused(move):
+    pipe = gpipe.Pipe(model(), balance=[2, 3], devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match="devices="):
+        move(pipe)
+    assert all(p.device.type == "cpu" for p in pipe.parameters())
+
+
+@pytest.mark.parametrize("move", [
     lambda p: p.to("cpu"),
     lambda p: p.to(torch.device("cpu")),
     lambda p: p.to(device="cpu"),
     lambda p: p.to("cpu", torch.float64),
-    lambda p: p.to(torch.zeros(1)),
-    lambda p: p.cuda(),
-    lambda p: p.cuda(0),
+    lambda p: p.to(torch.zeros(1, dtype=torch.float64)),
     lambda p: p.cpu(),
-], ids=["to-str", "to-device", "to-device-kwarg", "to-str-dtype", "to-tensor", "cuda", "cuda-0",
-        "cpu"])
-def test_moving_is_refused(move):
-    pipe = gpipe.Pipe(model(), balance=[2, 3])
-    with pytest.raises(TypeError):
-        move(pipe)
+], ids=["to-str", "to-device", "to-device-kwarg", "to-str-dtype", "to-tensor", "cpu"])
+def test_moving_where_the_stages_are_changes_nothing(move):
+    pipe = gpipe.Pipe(model(), balance=[2, 3], devices=["cpu", "cpu"])
+    assert move(pipe) is pipe
+    assert all(p.device.type == "cpu" and p.dtype == torch.float64 for p in pipe.parameters())
+    pipe(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
 
 
 def test_double_casts_and_stays_transparent():

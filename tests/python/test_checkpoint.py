@@ -214,3 +214,20 @@ def test_recompute_under_autocast(checkpoint):
         # bfloat16 arithmetic: the micro-batches sum in another order.
         bound = 2e-2 * q.grad.abs().max().item() + 1e-3
         assert (p.grad - q.grad).abs().max().item() <= bound, name
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_autocast_casts_afresh_after_an_optimizer_step(checkpoint):
+    """Autocast caches each parameter's cast per thread until the autocast
+    region ends, which never happens on a worker: a stale cast would survive
+    the optimizer step. The second step must see the updated weights."""
+    seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    ref = copy.deepcopy(seq)
+    pipe = gpipe.Pipe(seq, balance=[1, 2], chunks=2, checkpoint=checkpoint)
+    x = torch.randn(6, 8)
+    _autocast_step(pipe, x)
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p -= 0.5 * p.grad
+    ref.load_state_dict(pipe.state_dict())  # the same updated weights on both sides
+    assert torch.equal(_autocast_step(pipe, x), _autocast_step(ref, x))
