@@ -44,6 +44,17 @@ class Engine;
 /// just before their backward, replaying the same random numbers. Under
 /// `torch::NoGradGuard` no graph is kept; in `eval()` mode nothing is
 /// checkpointed.
+///
+/// Autograd sees what it sees with the plain Sequential: an output requires
+/// grad where the Sequential's would; every tensor the layers use that
+/// requires grad (parameters, tied weights, closures) gets its grad, summed
+/// over micro-batches and accumulated once per backward; `autograd::grad`
+/// and `backward(inputs)` fill no other `.grad`. An input changed in place
+/// before backward raises autograd's "modified by an inplace operation".
+///
+/// Thread safety: one forward or backward runs at a time per Pipe; callers
+/// on other threads wait. Calling a Pipe from inside a layer of a Pipe
+/// throws at once.
 class PipeImpl : public torch::nn::Module {
  public:
   PipeImpl(torch::nn::Sequential sequential, PipeOptions options);

@@ -59,7 +59,15 @@ class Pipe(nn.Module):
     The layers are cut into consecutive stages (``balance`` layers each), one
     per device, and each mini-batch into ``chunks`` micro-batches that flow
     through the stages on one C++ worker thread per stage. Outputs and
-    gradients equal those of the plain Sequential.
+    gradients equal those of the plain Sequential, and autograd sees what it
+    sees with the plain model: outputs require grad where the plain model's
+    would; every tensor a layer uses that requires grad (parameters, tied
+    weights, closures) gets its grad, summed over micro-batches, once per
+    backward; ``torch.autograd.grad`` and ``backward(inputs=...)`` fill no
+    other ``.grad``. Inputs are cut along dim 0.
+
+    One forward or backward runs at a time: calls from several threads wait
+    for each other. A Pipe inside another Pipe's layer is refused.
 
     Args:
         module: the ``nn.Sequential`` to pipeline. Its layers become the
