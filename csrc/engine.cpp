@@ -19,6 +19,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <thread>
 
 namespace gpipe::detail {
 
@@ -114,14 +115,28 @@ std::vector<const Lane*> Engine::lanes() const {
   return lanes;
 }
 
-std::unique_lock<std::mutex> Engine::one_call_at_a_time(const char* what) {
+Engine::Call::Call(Engine& engine, const char* what) : engine_(engine) {
   const int64_t outer = Executor::current_stage();
-  TORCH_CHECK(outer < 0, "gpipe::Pipe ", what, " was called from inside a layer of a Pipe (stage ",
-              outer, " of the Pipe running it): a Pipe cannot run within a Pipe's stage; ",
+  // A forward from inside a cell is a Pipe within a Pipe's layer. (A
+  // backward may legitimately run inside a cell: a stage's nested backward
+  // on an autograd device thread may pick up another Pipe's PipeBackward.)
+  TORCH_CHECK(std::strcmp(what, "forward") != 0 || outer < 0, "gpipe::Pipe ", what,
+              " was called from inside a layer of a Pipe (stage ", outer,
+              " of the Pipe running it): a Pipe cannot run within a Pipe's stage; ",
               "call the inner model directly there, or flatten both into one Sequential");
+  TORCH_CHECK(engine.owner_.load() != std::this_thread::get_id(), "gpipe::Pipe ", what,
+              " was called on the thread already running this Pipe's forward or backward "
+              "(a layer calling its own Pipe, or, on an accelerator, one backward reaching two "
+              "outputs of the same Pipe at once); a Pipe runs one call at a time");
   // Another thread's forward or backward on this Pipe finishes first: the
   // stages, their workers and their learned state serve one call at a time.
-  return std::unique_lock<std::mutex>(busy_);
+  engine.busy_.lock();
+  engine.owner_.store(std::this_thread::get_id());
+}
+
+Engine::Call::~Call() {
+  engine_.owner_.store(std::thread::id());
+  engine_.busy_.unlock();
 }
 
 std::vector<Payload> Engine::execute(const Schedule& schedule, std::vector<Payload> sources,
@@ -136,7 +151,7 @@ std::vector<Payload> Engine::execute(const Schedule& schedule, std::vector<Paylo
 }
 
 Batch Engine::forward(const Batch& input, bool training) {
-  auto busy = one_call_at_a_time("forward");
+  Call call(*this, "forward");
   std::vector<Batch> microbatches = scatter(input, chunks_);
   const auto m = static_cast<int64_t>(microbatches.size());
   const int64_t k = stages();
@@ -167,32 +182,33 @@ Batch Engine::forward(const Batch& input, bool training) {
   sources.reserve(microbatches.size());
   for (auto& mb : microbatches) sources.push_back(Payload{std::move(mb), ready});
 
-  PipeRun& r = *run;
-  const CellFn cell = [this, &r, &input, stop, step](int64_t j, const Action& action, Payload in,
-                                                     const char*& /*phase*/) {
-    Stage& stage = *stages_[static_cast<size_t>(j)];
-    auto guard = on_compute_stream(stage);
-    const int64_t i = action.microbatch;
-    Batch x = receive_traced(std::move(in), stage.lane(), tracer_, step, j, i);
-    const bool own_counters = j == 0 && stage.mutates_input();
-    if (own_counters) {
-      // The micro-batches are views of the caller's tensors and share their
-      // version counters: a first layer working in place on one would spoil
-      // what the others saved for backward. Each gets a counter of its own;
-      // the stage watches the caller's tensors themselves instead.
-      for (auto& t : x.values) {
+  // The micro-batches are views of the caller's tensors and would share
+  // their version counters: a layer working in place on one micro-batch
+  // (also behind layers that pass their input on) would then spoil what
+  // another saved for backward. Each counts on its own, as the whole batch
+  // does in the plain model; the caller's tensors are checked once, before
+  // the backward (Engine::backward).
+  if (m > 1) {
+    for (auto& p : sources) {
+      for (auto& t : p.batch.values) {
         if (!t.defined()) continue;
         auto own = t.variable_data();
         if (t.requires_grad()) own.requires_grad_(true);
         t = std::move(own);
       }
     }
+  }
+
+  PipeRun& r = *run;
+  const CellFn cell = [this, &r, stop, step](int64_t j, const Action& action, Payload in,
+                                                     const char*& /*phase*/) {
+    Stage& stage = *stages_[static_cast<size_t>(j)];
+    auto guard = on_compute_stream(stage);
+    const int64_t i = action.microbatch;
+    Batch x = receive_traced(std::move(in), stage.lane(), tracer_, step, j, i);
     Span span(tracer_, step, j, i, TracePhase::Forward, stage.lane().compute);
-    // Stage 0 watches the caller's tensors where autograd cannot: from a
-    // checkpointed cell's input, and behind counters of their own.
-    const bool watch_caller = j == 0 && (own_counters || i < stop);
     Batch y = stage.forward(r.cells[static_cast<size_t>(j)][static_cast<size_t>(i)], x, i < stop,
-                            stop > 0, watch_caller ? &input : nullptr);
+                            stop > 0);
     span.finish();
     return Payload{std::move(y), mark(stage.lane().compute)};
   };
@@ -231,6 +247,13 @@ Batch Engine::forward(const Batch& input, bool training) {
   bool any = false;
   for (bool f : output_requires_grad) any = any || f;
   if (!graph || !any) return out;
+  if (m > 1) {
+    for (const auto& t : input.values) {
+      if (!t.defined()) continue;
+      run->input_counters.push_back(t.unsafeGetTensorImpl()->version_counter());
+      run->input_versions.push_back(run->input_counters.back().current_version());
+    }
+  }
 
   // Wire the outputs to one PipeBackward node whose edges lead to the inputs
   // and to every outside tensor some cell reached, in stage and micro-batch
@@ -256,7 +279,15 @@ Batch Engine::forward(const Batch& input, bool training) {
 
 std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Tensor>& grads,
                                          bool keep_graph, const std::vector<bool>& needed) {
-  auto busy = one_call_at_a_time("backward");
+  Call call(*this, "backward");
+  for (size_t v = 0; v < run.input_counters.size(); ++v) {
+    const uint32_t now = run.input_counters[v].current_version();
+    TORCH_CHECK(now == run.input_versions[v],
+                "one of the variables needed for gradient computation has been modified by an "
+                "inplace operation: an input of the Pipe is at version ", now, "; expected version ",
+                run.input_versions[v], " instead. Don't change the Pipe's input in place between "
+                "forward and backward");
+  }
   const int64_t m = run.microbatches;
   const int64_t k = stages();
   const size_t inputs = run.input_devices.size();

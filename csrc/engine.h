@@ -13,11 +13,13 @@
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/Device.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
 namespace gpipe::detail {
@@ -40,6 +42,11 @@ struct PipeRun {
   std::vector<int64_t> output_rows;
   /// The device of each input value: its grad goes back there.
   std::vector<c10::Device> input_devices;
+  /// With several micro-batches (each with a version counter of its own):
+  /// the caller's input tensors' counters and versions after the forward.
+  /// The backward refuses to run when one changed (autograd's check).
+  std::vector<c10::VariableVersion> input_counters;
+  std::vector<uint32_t> input_versions;
   /// For each output value, the PipeBackward input slot of its grad (-1:
   /// not differentiable, no grad).
   std::vector<int64_t> output_slot;
@@ -89,12 +96,23 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   /// Every stage's lane, in stage order.
   std::vector<const Lane*> lanes() const;
-  /// Refuses a call from inside a cell (a Pipe within a Pipe's layer) and
-  /// makes other callers wait: one forward or backward at a time.
-  std::unique_lock<std::mutex> one_call_at_a_time(const char* what);
+  /// One forward or backward at a time: other threads wait; a forward from
+  /// inside a cell (a Pipe within a Pipe's layer) and a call from the thread
+  /// already running this engine are refused at once.
+  class Call {
+   public:
+    Call(Engine& engine, const char* what);
+    ~Call();
+    Call(const Call&) = delete;
+    Call& operator=(const Call&) = delete;
+
+   private:
+    Engine& engine_;
+  };
 
   std::vector<std::unique_ptr<Stage>> stages_;
   std::mutex busy_;
+  std::atomic<std::thread::id> owner_{};
   Executor executor_;
   int64_t chunks_;
   Checkpoint checkpoint_;

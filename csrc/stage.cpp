@@ -166,8 +166,7 @@ Stage::Stage(int64_t index, std::unique_ptr<Layers> layers, c10::Device device)
 //
 // So every cell is exact, including a layer that draws only on some
 // micro-batches, and a stage that never draws keeps full concurrency.
-Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint,
-                     const Batch* watched) {
+Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint) {
   if (!at::GradMode::is_enabled()) {
     // Inference: no graph, nothing kept.
     return run_layers(*layers_, input);
@@ -177,11 +176,13 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
   const size_t gens = generators_.size();
 
   RngLocks locks;
+  bool saved_copy = false;
   std::vector<at::Tensor> before(gens);
   std::vector<bool> verify_only(gens, false);
   if (checkpoint) {
     cell.saved_requires_grad = flags;
-    cell.saved = mutates_input_.load() == kKeeps ? input : cloned(input);
+    saved_copy = mutates_input_.load() != kKeeps;
+    cell.saved = saved_copy ? cloned(input) : input;
     for (size_t g = 0; g < gens; ++g) {
       verify_only[g] = draws_[g].load() == kKeeps;
       if (verify_only[g]) {
@@ -223,7 +224,6 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
       cell.input_versions.push_back(cell.input_counters.back().current_version());
     }
   };
-  if (watched != nullptr) watch(*watched);
   auto keep_graph = [&] {
     cell.checkpointed = false;
     cell.saved = Batch();
@@ -270,16 +270,15 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
   for (const auto& o : leaving.values) {
     for (const auto& t : input.values) aliased |= o.defined() && t.defined() && o.is_alias_of(t);
   }
-  if (aliased && mutates_input_.load() == kKeeps) {
-    cell.saved = cloned(input);
-    cell.input_counters.clear();
-    cell.input_versions.clear();
+  if (aliased) {
+    if (!saved_copy) cell.saved = cloned(input);
     return leaving;
   }
   // Otherwise watch the input as handed in for in-place changes before the
-  // recompute reads it. A stage that changes its input itself recomputes
-  // from a copy: no watch needed.
-  if (!mutated && watched == nullptr) watch(input);
+  // backward, as autograd watches what the plain model saved (even where the
+  // first cell saved a copy: the plain model would not have). A stage that
+  // changes its input itself recomputes from a copy and needs no watch.
+  if (!mutated) watch(input);
   return leaving;  // `out` and `entry` go: the graph is freed here
 }
 
@@ -337,7 +336,6 @@ Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
                       std::vector<at::Tensor>& external_grads) {
   TORCH_CHECK(grads.size() == cell.outputs.size(), "stage ", index_, " produced ",
               cell.outputs.size(), " outputs but received ", grads.size(), " grads");
-  if (!cell.checkpointed) check_watched(cell);  // recompute checked already
   const Cut& cut = cell.cut;
   TORCH_INTERNAL_ASSERT(wanted.size() == cut.externals.size());
   external_grads.assign(cut.externals.size(), at::Tensor());

@@ -36,10 +36,9 @@ struct Cell {
   /// Checkpointed: the stage input to recompute from, and its grad flags.
   Batch saved;
   std::vector<bool> saved_requires_grad;
-  /// The version counters of the tensors the cell watches (see
-  /// Stage::forward), and their versions after the first forward. The
-  /// backward refuses to run from an input changed in place since
-  /// (autograd's saved-tensor check).
+  /// Checkpointed: the version counters of the input as handed in, and
+  /// their versions after the first forward. The recompute refuses to run
+  /// from an input changed in place since (autograd's saved-tensor check).
   std::vector<c10::VariableVersion> input_counters;
   std::vector<uint32_t> input_versions;
   /// Checkpointed: the state of each of the stage's generators before the
@@ -65,8 +64,6 @@ class Stage {
   const Lane& lane() const noexcept { return lane_; }
   c10::Device device() const noexcept { return lane_.device; }
   size_t generator_count() const noexcept { return generators_.size(); }
-  /// Whether the layers were seen to modify their input in place.
-  bool mutates_input() const noexcept { return mutates_input_.load() == 1; }
   /// F(i). Under grad mode builds the stage-local graph (so the outputs
   /// need grad exactly where the plain model's would, and `cell.externals`
   /// is known) and keeps in `cell` what backward needs: the graph, or
@@ -76,11 +73,10 @@ class Stage {
   /// checkpointed, so every cell takes the generator locks. Returns the
   /// outputs for the next stage, without history but with the grad flags
   /// the next stage must honour.
-  /// `watched`: tensors whose in-place change before the cell's backward
-  /// makes it refuse, as autograd's saved-tensor check would (stage 0: the
-  /// caller's own tensors). A checkpointed cell also watches its input.
-  Batch forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint,
-                const Batch* watched = nullptr);
+  /// A checkpointed cell watches its input: changed in place before the
+  /// recompute, it makes the recompute refuse, as autograd's saved-tensor
+  /// check would.
+  Batch forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint);
 
   /// The first half of B(i) for a checkpointed cell: rebuilds the stage's
   /// graph from the saved input with the saved generator states, under

@@ -165,28 +165,33 @@ Reference reference(c10::Device device) {
 
 }  // namespace
 
-void Tracer::record(int64_t step, int64_t stage, int64_t microbatch, TracePhase phase,
-                    Clock::time_point start, Clock::time_point end) {
+namespace {
+
+// An event without its times, for the calling thread.
+TraceEvent untimed(int64_t step, int64_t stage, int64_t microbatch, TracePhase phase) {
   TraceEvent e;
   e.step = step;
   e.stage = stage;
   e.microbatch = microbatch;
   e.phase = phase;
+  e.thread = thread_number();
+  return e;
+}
+
+}  // namespace
+
+void Tracer::record(int64_t step, int64_t stage, int64_t microbatch, TracePhase phase,
+                    Clock::time_point start, Clock::time_point end) {
+  TraceEvent e = untimed(step, stage, microbatch, phase);
   e.start_us = Micro(start - origin_).count();
   e.end_us = Micro(end - origin_).count();
-  e.thread = thread_number();
   std::lock_guard<std::mutex> hold(mutex_);
   events_.push_back(e);
 }
 
 void Tracer::record(int64_t step, int64_t stage, int64_t microbatch, TracePhase phase,
                     c10::Event start, c10::Event end) {
-  TraceEvent e;
-  e.step = step;
-  e.stage = stage;
-  e.microbatch = microbatch;
-  e.phase = phase;
-  e.thread = thread_number();
+  TraceEvent e = untimed(step, stage, microbatch, phase);
   std::lock_guard<std::mutex> hold(mutex_);
   pending_.push_back(Pending{e, std::move(start), std::move(end)});
   if (pending_.size() >= next_resolve_) {

@@ -119,12 +119,7 @@ class Span {
   /// accelerator (see Tracer), on the host on CPU.
   Span(Tracer& tracer, int64_t step, int64_t stage, int64_t microbatch, TracePhase phase,
        const c10::Stream& stream)
-      : tracer_(tracer),
-        step_(step),
-        stage_(stage),
-        microbatch_(microbatch),
-        phase_(phase),
-        active_(tracer.enabled()) {
+      : Span(tracer, step, stage, microbatch, phase) {
     restart(stream);
   }
   Span(const Span&) = delete;

@@ -260,6 +260,15 @@ void ballast(torch::Device device = kGpu) {
   for (int r = 0; r < 20; ++r) a = torch::tanh(torch::mm(a, a) / 64.0);
 }
 
+// A tensor of `n` copies of `value` made on `producer`'s compute stream
+// behind a ballast: a consumer that skips a wait reads it unfinished.
+torch::Tensor late_on(const gpipe::detail::Lane& producer, int64_t n, double value) {
+  torch::cuda::synchronize();
+  c10::StreamGuard on(producer.compute);
+  ballast();
+  return torch::full({n}, value, gpu64());
+}
+
 /// The named parameters of `module`, cloned on the current stream now (no
 /// synchronisation: a clone reads whatever the stream is ordered after).
 std::vector<torch::Tensor> grads_now(const torch::nn::Module& module) {
@@ -701,13 +710,7 @@ TEST_CASE("cuda: receive orders a CUDA stage after its producer and the host", "
   const Lane producer = make_lane(kGpu);
   const Lane lane = make_lane(kGpu);
   constexpr int64_t n = 1 << 20;
-  torch::cuda::synchronize();
-  torch::Tensor y;
-  {
-    c10::StreamGuard on(producer.compute);
-    ballast();
-    y = torch::full({n}, 7.0, gpu64());
-  }
+  torch::Tensor y = late_on(producer, n, 7.0);
   const auto host = torch::full({n}, 3.0, torch::dtype(torch::kFloat64));
   Payload in{Batch({y, host}, /*is_atomic=*/false), mark(producer.compute)};
   y = torch::Tensor();
@@ -732,13 +735,7 @@ TEST_CASE("cuda: a CPU stage copies a CUDA batch out on a copy stream of the sou
   const Lane producer = make_lane(kGpu);
   const Lane cpu_lane = make_lane(kCpu);
   constexpr int64_t n = 1 << 20;
-  torch::cuda::synchronize();
-  torch::Tensor y;
-  {
-    c10::StreamGuard on(producer.compute);
-    ballast();
-    y = torch::full({n}, 5.0, gpu64());
-  }
+  torch::Tensor y = late_on(producer, n, 5.0);
   Payload in{Batch(y), mark(producer.compute)};
   y = torch::Tensor();
   Tracer tracer;
@@ -765,13 +762,7 @@ TEST_CASE("cuda: a copy from cuda:0 into a stage on cuda:1 runs on a copy stream
   const Lane producer = make_lane(kGpu);
   const Lane lane = make_lane(kGpu1);
   constexpr int64_t n = 1 << 20;
-  torch::cuda::synchronize();
-  torch::Tensor y;
-  {
-    c10::StreamGuard on(producer.compute);
-    ballast();
-    y = torch::full({n}, 9.0, gpu64());
-  }
+  torch::Tensor y = late_on(producer, n, 9.0);
   Payload in{Batch(y), mark(producer.compute)};
   y = torch::Tensor();
   Batch got = receive(std::move(in), lane);

@@ -217,3 +217,17 @@ def test_pipe_inside_a_pipe_is_refused_at_once() -> None:
     assert "error" in outcome
     assert "inside a layer of a Pipe" in str(outcome["error"])
     inner(x).sum().backward()  # the inner Pipe still works on its own
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_one_pipe_twice_in_one_graph(checkpoint: str) -> None:
+    """Two outputs of the same Pipe in one loss: two PipeBackward nodes, run one after the other."""
+    model = mlp()
+    ref = copy.deepcopy(model)
+    pipe = gpipe.Pipe(model, balance=[2, 3, 2], devices=["cpu"] * 3, chunks=2, checkpoint=checkpoint)
+    x1 = torch.randn(4, 5, dtype=torch.float64)
+    x2 = torch.randn(3, 5, dtype=torch.float64)
+    outcome = call_with_timeout(lambda: (pipe(x1).sum() + pipe(x2).pow(2).sum()).backward())
+    assert "error" not in outcome, outcome.get("error")
+    (ref(x1).sum() + ref(x2).pow(2).sum()).backward()
+    assert_same_grads(pipe, ref)

@@ -1,9 +1,15 @@
-"""test_fuzz.py — runs the differential fuzzer (tests/fuzz/fuzz.py) over a fixed seed range."""
+"""test_fuzz.py — runs the differential fuzzer (tests/fuzz/) over a fixed seed range."""
+import copy
 import importlib.util
 import pathlib
 import sys
 
-FUZZ_PATH = pathlib.Path(__file__).resolve().parents[1] / "fuzz" / "fuzz.py"
+import torch
+from torch import nn
+
+import gpipe
+
+FUZZ_DIR = pathlib.Path(__file__).resolve().parents[1] / "fuzz"
 
 #: Seeds run here: a fixed, small range (seconds); `python3 tests/fuzz/fuzz.py --seeds 0:2000`
 #: is the long run.
@@ -11,11 +17,12 @@ SEEDS = range(0, 300)
 
 
 def load_fuzz():
-    """tests/fuzz is not a package: load fuzz.py by path, registered as 'fuzz' (the name its
-    printed reproductions import)."""
+    """tests/fuzz is not a package: load fuzz.py by path, registered as 'fuzz'; it puts its
+    directory on sys.path, so its modules (layers, reference, compare, configs) import by name,
+    as the printed reproductions do."""
     if "fuzz" in sys.modules:
         return sys.modules["fuzz"]
-    spec = importlib.util.spec_from_file_location("fuzz", FUZZ_PATH)
+    spec = importlib.util.spec_from_file_location("fuzz", FUZZ_DIR / "fuzz.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["fuzz"] = module
     spec.loader.exec_module(module)
@@ -31,7 +38,8 @@ def test_fixed_seeds_match_the_plain_model():
     assert summary.configurations == len(SEEDS)
     assert summary.mismatches == 0, (
         f"{summary.mismatches} mismatches in {summary.configurations} configurations "
-        f"({summary.by_category}):\n" + "\n".join(lines))
+        f"({summary.by_category}; {summary.cloned} compared against the boundary-cloned "
+        f"model):\n" + "\n".join(lines))
 
 
 def test_generation_is_deterministic():
@@ -39,3 +47,41 @@ def test_generation_is_deterministic():
     fuzz = load_fuzz()
     for seed in (0, 7, 1234):
         assert fuzz.generate(seed).body() == fuzz.generate(seed).body()
+
+
+def _check(layers, balance, x, **kw):
+    load_fuzz()
+    from compare import check  # noqa: E402 - on sys.path once fuzz.py is loaded
+
+    model = nn.Sequential(*layers)
+    ref = copy.deepcopy(model)
+    pipe = gpipe.Pipe(model, balance=balance, devices=["cpu"] * len(balance), chunks=2,
+                      checkpoint="always")
+    return check(pipe, ref, x, **kw)
+
+
+def test_inplace_refusals_are_compared_against_the_boundary_cloned_model():
+    """The plain model refuses in-place work that gpipe's stage hand-over allows on purpose: the
+    fuzzer compares those runs in full against the boundary-cloned model, and says so."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    # A first layer working in place on an input that requires grad: refused in forward.
+    found = _check([nn.ReLU(inplace=True), nn.Linear(3, 2, dtype=torch.float64)], [1, 1], x)
+    assert (found.reference, list(found)) == ("forward", [])
+    # An in-place first layer of stage 1 spoils what stage 0 saved: refused in backward; the
+    # checkpointed Pipe recomputes stage 0.
+    found = _check([nn.Tanh(), nn.ReLU(inplace=True)], [1, 1], x)
+    assert (found.reference, list(found)) == ("backward", [])
+    # Anything else is compared against the plain model.
+    found = _check([nn.Tanh(), nn.ReLU(inplace=True)], [2], x)
+    assert found.reference is None
+
+
+def test_no_grad_outputs_that_are_inputs():
+    """Under no_grad the Pipe's outputs never require grad; the plain model may return its
+    input, which does: only that flag is not compared."""
+    fuzz = load_fuzz()
+    x = (torch.randn(4, 2, dtype=torch.float64, requires_grad=True),
+         torch.randn(4, 3, dtype=torch.float64, requires_grad=True))
+    found = _check([fuzz.Swap(), fuzz.Swap()], [1, 1], x, no_grad=True)  # returns x
+    assert list(found) == []

@@ -1,0 +1,355 @@
+"""compare.py — runs a model as gpipe.Pipe and as its references; lists every difference.
+
+The reference is the plain Sequential (a deep copy made before the Pipe took
+the layers): outputs, output ``requires_grad``, the caller's inputs after
+forward, input grads, returned grads, every parameter's and external tensor's
+``.grad`` (also where the plain model leaves it alone) and exceptions are
+compared. Tolerance: :data:`TOL`.
+
+Two documented gpipe rules make the Pipe differ from the plain model on
+purpose; each is compared against what the rule says, never skipped silently:
+
+* Stage inputs are handed over so that a stage's first layer may work in
+  place (see :mod:`reference`). When the plain model refuses such an in-place
+  operation and the Pipe does not raise the same, the Pipe is compared in full
+  against :class:`reference.BoundaryCloned` instead, and
+  :attr:`Findings.reference` says so (the fuzzer counts those configurations).
+  If that reference raises too, the mismatch stands.
+* Under ``torch.no_grad()`` the Pipe's outputs are fresh tensors and never
+  require grad (csrc/engine.cpp: without grad mode nothing is kept), while the
+  plain model may return one of its inputs, or a view of one, which does: only
+  that output's ``requires_grad`` is not compared.
+"""
+import copy
+import random
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+import gpipe
+import layers
+from layers import MaskDropout, ReplayError
+from reference import BoundaryCloned, is_input_or_view, needs_cloned
+from reference import as_tuple as _as_tuple
+
+TOL = {"float64": 1e-10, "float32": 1e-5}
+CATEGORIES = ("exception", "output", "requires_grad", "grad", "side-effect", "hang", "harness")
+
+Tensors = Union[Tensor, Tuple[Tensor, ...]]
+
+
+@dataclass
+class Mismatch:
+    category: str  # one of CATEGORIES
+    detail: str
+    # Finer than the category, e.g. 'exception:forward:pipe=None:plain=RuntimeError'; shrinking
+    # keeps it.
+    kind: str = ""
+
+    def __post_init__(self) -> None:
+        self.kind = self.kind or self.category
+
+
+class Findings(List[Mismatch]):
+    """The mismatches of one check, and which reference they were found against."""
+
+    #: None: the plain model; 'forward' or 'backward': the boundary-cloned model, chosen when
+    #: the plain model raised an in-place error there.
+    reference: Optional[str] = None
+
+
+def _leaf_copy(x: Tensors) -> Tensors:
+    """Fresh leaves with the same values and requires_grad (each side gets its own)."""
+    if isinstance(x, tuple):
+        return tuple(_leaf_copy(t) for t in x)  # type: ignore[misc]
+    return x.detach().clone().requires_grad_(x.requires_grad)
+
+
+def _clone(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.detach().clone()
+
+
+def _describe(e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:160]}"
+
+
+def _diff(got: Tensor, want: Tensor, tol: float, ref: str) -> Optional[str]:
+    """None when equal within tol, else what differs."""
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} vs {ref}'s {tuple(want.shape)}"
+    if got.dtype != want.dtype:
+        return f"dtype {got.dtype} vs {ref}'s {want.dtype}"
+    if got.numel() == 0:
+        return None
+    d = (got.detach().double() - want.detach().double()).abs().max().item()
+    if not d <= tol:  # also catches NaN
+        return f"max diff {d:.1e} > {tol:.0e}"
+    return None
+
+
+def grad_targets(model: nn.Module) -> Dict[str, Tensor]:
+    """Every tensor whose .grad a run may fill: parameters, buffers that require grad, and the
+    fuzzer's external tensors, named as in state_dict ('<layer>.<attr>')."""
+    targets = dict(model.named_parameters())
+    targets.update((n, b) for n, b in model.named_buffers() if b.requires_grad)
+    for i, layer in enumerate(model):
+        for attr, t in getattr(layer, "fuzz_externals", lambda: [])():
+            targets[f"{i}.{attr}"] = t
+    return targets
+
+
+def _attempt(fn: Callable[[], Any]) -> Tuple[Any, Optional[BaseException]]:
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - compared with the other side's exception
+        return None, e
+
+
+class _Side:
+    """One model's run: its own input leaves and grad targets, its output, error and grads."""
+
+    def __init__(self, model: nn.Module, inputs: Tensors, name: str, short: str) -> None:
+        self.model, self.name, self.short = model, name, short
+        self.x = _leaf_copy(inputs)
+        self.targets = grad_targets(model)
+        self.out: Any = None
+        self.error: Optional[BaseException] = None
+        self.returned: Dict[str, Tensor] = {}
+        self.grads: Dict[str, Optional[Tensor]] = {}
+
+    def pool(self) -> Dict[str, Tensor]:
+        """What a run may ask grads of: the inputs, then the grad targets."""
+        return {**{f"input{k}": x for k, x in enumerate(_as_tuple(self.x))}, **self.targets}
+
+    def forward(self) -> None:
+        self.out, self.error = _attempt(lambda: self.model(self.x))
+
+    def backward(self, weights: Sequence[Optional[Tensor]], mode: str, names: List[str],
+                 initial: Dict[str, Optional[Tensor]]) -> None:
+        for n, t in self.targets.items():  # a shared closure W holds another side's grad
+            t.grad = _clone(initial[n])
+        self.returned, self.error = _attempt(
+            lambda: _backward(self.out, weights, self.pool(), mode, names))
+        self.grads = {n: _clone(t.grad) for n, t in self.pool().items()}
+
+
+# -- comparing -------------------------------------------------------------------------------
+
+def _exception_mismatch(phase: str, pipe_e: Optional[BaseException], ref: _Side,
+                        ref_e: Optional[BaseException]) -> List[Mismatch]:
+    if ref_e is None and pipe_e is None:
+        return []
+    name = lambda e: type(e).__name__ if e is not None else None  # noqa: E731
+    kind = f"exception:{phase.split()[0]}:pipe={name(pipe_e)}:{ref.short}={name(ref_e)}"
+    if ref_e is None:
+        detail = f"the Pipe raised {_describe(pipe_e)}; {ref.name} raised nothing"
+    elif pipe_e is None:
+        detail = f"{ref.name} raised {_describe(ref_e)}; the Pipe raised nothing"
+    elif type(pipe_e) is not type(ref_e):
+        detail = f"the Pipe raised {_describe(pipe_e)}; {ref.name} {_describe(ref_e)}"
+    else:
+        return []
+    return [Mismatch("exception", f"{phase}: {detail}", kind)]
+
+
+def same_structure(got: Any, want: Any) -> bool:
+    return (isinstance(got, tuple) == isinstance(want, tuple)
+            and len(_as_tuple(got)) == len(_as_tuple(want))
+            and all(isinstance(g, Tensor) for g in _as_tuple(got)))
+
+
+def _compare_outputs(got: Any, ref: _Side, tol: float, no_grad: bool) -> List[Mismatch]:
+    want = ref.out
+    if not same_structure(got, want):
+        return [Mismatch("output", f"the Pipe returns {type(got).__name__} of "
+                                   f"{len(_as_tuple(got))}, {ref.name} {type(want).__name__} "
+                                   f"of {len(_as_tuple(want))}", "output:structure")]
+    found = []
+    for k, (g, w) in enumerate(zip(_as_tuple(got), _as_tuple(want))):
+        d = _diff(g, w, tol, ref.name)
+        if d:
+            found.append(Mismatch("output", f"output {k}: {d}", "output:value"))
+        # Documented: under no_grad, Pipe outputs are fresh tensors and never require grad;
+        # the plain model's output that is an input (or a view of one) still does.
+        if no_grad and is_input_or_view(w, _as_tuple(ref.x)):
+            continue
+        if g.requires_grad != w.requires_grad:
+            found.append(Mismatch("requires_grad", f"output {k}: requires_grad "
+                                                   f"{g.requires_grad}, {ref.name}'s "
+                                                   f"{w.requires_grad}",
+                                  f"requires_grad:pipe={g.requires_grad}"))
+    return found
+
+
+def _loss(out: Any, weights: Sequence[Optional[Tensor]]) -> Tensor:
+    """sum(out * w) over the float outputs: every output element gets its own, nonzero weight."""
+    terms = [(o * w).sum() for o, w in zip(_as_tuple(out), weights) if w is not None]
+    return torch.stack(terms).sum()
+
+
+def _backward(out: Any, weights: Sequence[Optional[Tensor]], pool: Dict[str, Tensor], mode: str,
+              names: List[str]) -> Dict[str, Tensor]:
+    """Asks for grads the way ``mode`` says; returns what autograd.grad returned, by name."""
+    loss = _loss(out, weights)
+    chosen = [pool[n] for n in names]
+    if mode == "backward":
+        loss.backward()
+        return {}
+    if mode in ("grad_inputs", "grad_params"):
+        return dict(zip(names, torch.autograd.grad(loss, chosen)))
+    loss.backward(inputs=chosen)
+    return {}
+
+
+def _replay_dropout(pipe: nn.Module, refs: Sequence[nn.Module], use_logs: bool) -> None:
+    """Hands the masks the Pipe's dropout layers drew (micro-batch order) to the references."""
+    for i, p in enumerate(pipe):
+        if isinstance(p, MaskDropout):
+            for ref in refs:
+                ref[i].replay = torch.cat(p.log) if use_logs and p.log else None
+            p.log = []
+
+
+def _compare_grads(pipe: _Side, ref: _Side, mode: str, names: List[str],
+                   tol: float) -> List[Mismatch]:
+    found = []
+    for n, w in ref.returned.items():
+        d = _diff(pipe.returned[n], w, tol, ref.name)
+        if d:
+            found.append(Mismatch("grad", f"autograd.grad for {n}: {d}", "grad:returned"))
+    for n, got_g in pipe.grads.items():
+        want_g = ref.grads[n]
+        # With autograd.grad or backward(inputs=...), a tensor not asked about keeps its .grad.
+        aside = mode != "backward" and (mode.startswith("grad") or n not in names)
+        category = "side-effect" if aside else "grad"
+        if want_g is None:
+            if got_g is not None:
+                found.append(Mismatch(category, f"{n}.grad: {ref.name} leaves None, the Pipe "
+                                                f"fills it", f"{category}:fills"))
+        elif got_g is None:
+            found.append(Mismatch("grad", f"{n}.grad: None, {ref.name}'s is set", "grad:missing"))
+        else:
+            d = _diff(got_g, want_g, tol, ref.name)
+            if d:
+                found.append(Mismatch(category, f"{n}.grad: {d}", f"{category}:value"))
+    return found
+
+
+def check(pipe: nn.Module, ref: nn.Sequential, inputs: Tensors, *, training: bool = True,
+          no_grad: bool = False, backward: str = "backward", pre_grad: bool = False,
+          tol: float = 1e-10, seed: int = 0) -> Findings:
+    """Runs ``inputs`` through ``pipe`` and through ``ref`` (the plain copy, unused so far)
+    forward and, unless ``no_grad``, backward as ``backward`` says, and lists every difference
+    (against the boundary-cloned model where the module docstring says)."""
+    findings = Findings()
+    balance = getattr(pipe, "balance", [len(ref)])
+    sides = (_Side(pipe, inputs, "the Pipe", "pipe"),
+             _Side(ref, inputs, "the plain model", "plain"),
+             _Side(BoundaryCloned(copy.deepcopy(ref), balance), inputs,
+                   "the boundary-cloned model", "cloned"))
+    p, plain, cloned = sides
+    for side in sides:
+        side.model.train(training)
+        if list(side.targets) != list(p.targets):
+            findings.append(Mismatch("harness", f"targets differ: {list(p.targets)} vs "
+                                                f"{list(side.targets)}"))
+            return findings
+    rng = torch.Generator().manual_seed(seed)
+    if pre_grad:  # existing grads: backward must add to them, autograd.grad leave them
+        for name, t in plain.targets.items():
+            if t.requires_grad:
+                g = torch.randn(t.shape, generator=rng, dtype=t.dtype)
+                for side in sides:
+                    side.targets[name].grad = g.clone()
+    initial = {n: _clone(t.grad) for n, t in p.targets.items()}
+
+    # Forward: the Pipe first, so that the references can replay its dropout masks.
+    with torch.set_grad_enabled(not no_grad):
+        p.forward()
+        _replay_dropout(pipe, (ref, cloned.model), use_logs=p.error is None)
+        plain.forward()
+        want = plain
+        if needs_cloned(p.error, plain.error):
+            findings.reference, want = "forward", cloned
+            cloned.forward()
+    if isinstance(want.error, ReplayError):
+        findings.append(Mismatch("output", f"dropout replay: {want.error}", "output:replay"))
+        return findings
+    findings += _exception_mismatch("forward", p.error, want, want.error)
+    if p.error is not None or want.error is not None:
+        return findings
+    findings += _compare_outputs(p.out, want, tol, no_grad)
+    for k, (a, b) in enumerate(zip(_as_tuple(p.x), _as_tuple(want.x))):
+        d = _diff(a, b, tol, want.name)  # an in-place first layer may modify the caller's input
+        if d:
+            findings.append(Mismatch("output", f"input {k} after forward: {d} (left otherwise "
+                                               f"than {want.name} leaves it)", "output:input"))
+    if no_grad or not same_structure(p.out, want.out):
+        return findings
+    weights = [torch.randn(w.shape, generator=rng, dtype=w.dtype) if w.is_floating_point()
+               else None for w in _as_tuple(want.out)]
+    if all(w is None for w in weights):
+        return findings
+
+    # Which tensors the call asks grads of; the same names on every side.
+    wanting = [n for n, t in want.pool().items() if t.requires_grad]
+    names = {"grad_inputs": [n for n in wanting if n.startswith("input")],
+             "backward_inputs": [n for n in wanting if n.startswith("input")],
+             "grad_params": [n for n in wanting if not n.startswith("input")],
+             "backward_subset": sorted(random.Random(seed).sample(
+                 wanting, random.Random(seed + 1).randint(1, len(wanting)))) if wanting else [],
+             "backward": []}[backward]
+    if backward != "backward" and not names:
+        backward = "backward"  # nothing to ask for: the plain loss.backward() it is
+
+    want.backward(weights, backward, names, initial)
+    p.backward(weights, backward, names, initial)
+    if want is plain and needs_cloned(p.error, plain.error):
+        # The plain model's forward matched; its backward refused what the Pipe's recompute
+        # regenerates: forward and backward the boundary-cloned model for the grads.
+        findings.reference, want = "backward", cloned
+        with torch.enable_grad():
+            cloned.forward()
+        if cloned.error is not None:
+            findings += _exception_mismatch("forward", None, cloned, cloned.error)
+            return findings
+        findings += _compare_outputs(p.out, cloned, tol, no_grad)
+        cloned.backward(weights, backward, names, initial)
+    findings += _exception_mismatch(f"backward ({backward})", p.error, want, want.error)
+    if p.error is not None or want.error is not None:
+        return findings
+    findings += _compare_grads(p, want, backward, names, tol)
+    return findings
+
+
+# -- running a configuration -----------------------------------------------------------------
+
+class Hang(Exception):
+    pass
+
+
+def run_config(cfg: Any, timeout: float) -> Findings:
+    """Builds and checks a configuration (its ``body()`` calls :func:`check`) on a worker thread,
+    so a hang is reported, not waited out."""
+    outcome: Dict[str, Findings] = {}
+
+    def target() -> None:
+        namespace = {**{n: getattr(layers, n) for n in layers.__all__}, "check": check,
+                     "copy": copy, "torch": torch, "nn": nn, "gpipe": gpipe}
+        try:
+            exec(compile(cfg.body(), f"<fuzz seed {cfg.seed}>", "exec"), namespace)
+            outcome["found"] = namespace["mismatches"]
+        except Exception as e:  # noqa: BLE001 - a failure of the fuzzer itself
+            outcome["found"] = Findings([Mismatch("harness", f"building or checking raised "
+                                                             f"{_describe(e)}")])
+
+    worker = threading.Thread(target=target, name=f"fuzz-{cfg.seed}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise Hang(f"no answer within {timeout:.0f} s")
+    return outcome["found"]

@@ -1,0 +1,344 @@
+"""configs.py — random configurations: drawn per seed, printed as reproductions, shrunk.
+
+A configuration is a random ``nn.Sequential`` (Linear, Conv1d, activations
+incl. in-place ReLU, dropout, LayerNorm, layers taking/returning tuples,
+parameterless and frozen layers, the tensors of :mod:`layers` that require
+grad without being parameters of their layer) and how it runs: a balance over
+1..4 CPU stages, 1..6 chunks (incl. more than rows), checkpoint mode, float64
+or float32, one tensor or a tuple of inputs that require grad or not,
+train/eval, ``torch.no_grad()``, and how gradients are asked for
+(``loss.backward()``, ``torch.autograd.grad`` of the inputs or of the
+parameters, ``backward(inputs=...)``). :meth:`Config.body` is the Python that
+builds it and calls :func:`compare.check`; :func:`shrink` simplifies a failing
+one while the same kind of mismatch remains.
+"""
+import random
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, List, Optional, Tuple
+
+from compare import TOL, Hang, Mismatch, run_config
+
+MODES = ("always", "except_last", "never")
+BACKWARDS = ("backward", "grad_inputs", "grad_params", "backward_inputs", "backward_subset")
+
+
+@dataclass
+class LayerSpec:
+    kind: str                 # feature name, e.g. 'linear', 'inplace', 'closure'
+    src: str                  # Python expression; {ref} is the index of a referenced layer
+    sig_in: Tuple[Any, ...]   # ('flat', d) / ('seq', c, l) / ('pair', d1, d2) / ('masked', d)
+    sig_out: Tuple[Any, ...]
+    ref: Optional[int] = None
+    frozen: bool = False
+    dims: Tuple[int, ...] = ()  # (in, out) of a Linear, for TiedLinear
+
+    def expr(self) -> str:
+        e = self.src.replace("{ref}", str(self.ref))
+        return e + ".requires_grad_(False)" if self.frozen else e
+
+    def short(self) -> str:
+        e = self.src.replace("layers[{ref}]", f"#{self.ref}").replace(", dtype=dtype", "")
+        e = e.replace("dtype=dtype", "").replace("nn.", "")
+        return e + "/frozen" if self.frozen else e
+
+
+@dataclass
+class InputSpec:
+    kind: str                 # 'float' or 'mask' (an int64 0/1 vector)
+    features: Tuple[int, ...]
+    requires_grad: bool = False
+
+    def expr(self, rows: int) -> str:
+        if self.kind == "mask":
+            return f"torch.randint(0, 2, ({rows},), generator=g)"
+        shape = ", ".join(map(str, (rows,) + self.features))
+        return (f"torch.randn({shape}, dtype=dtype, generator=g)"
+                f".requires_grad_({self.requires_grad})")
+
+
+@dataclass
+class Config:
+    seed: int
+    layers: List[LayerSpec]
+    balance: List[int]
+    chunks: int
+    checkpoint: str
+    dtype: str
+    rows: int
+    inputs: List[InputSpec]
+    training: bool = True
+    no_grad: bool = False
+    backward: str = "backward"
+    pre_grad: bool = False
+    features: List[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        inputs = ", ".join(("mask" if s.kind == "mask" else
+                            f"{(self.rows,) + s.features}{'+grad' if s.requires_grad else ''}")
+                           for s in self.inputs)
+        return (f"layers=[{', '.join(s.short() for s in self.layers)}] balance={self.balance} "
+                f"chunks={self.chunks} checkpoint={self.checkpoint} dtype={self.dtype} "
+                f"inputs=({inputs}) {'train' if self.training else 'eval'}"
+                f"{' no_grad' if self.no_grad else ''} backward={self.backward}"
+                f"{' pre_grad' if self.pre_grad else ''}")
+
+    def body(self) -> str:
+        """The reproduction: builds model, Pipe and inputs, then runs :func:`check`."""
+        lines = [f"dtype = torch.{self.dtype}", f"torch.manual_seed({self.seed})", "layers = []"]
+        lines += [f"layers.append({s.expr()})  # {i}" for i, s in enumerate(self.layers)]
+        k = len(self.balance)
+        inputs = [s.expr(self.rows) for s in self.inputs]
+        lines += [
+            "model = nn.Sequential(*layers)",
+            "ref = copy.deepcopy(model)",
+            f"pipe = gpipe.Pipe(model, balance={self.balance}, devices=['cpu'] * {k}, "
+            f"chunks={self.chunks}, checkpoint={self.checkpoint!r})",
+            f"g = torch.Generator().manual_seed({self.seed})",
+            f"inputs = {inputs[0]}" if len(inputs) == 1 else f"inputs = ({', '.join(inputs)})",
+            f"mismatches = check(pipe, ref, inputs, training={self.training}, "
+            f"no_grad={self.no_grad}, backward={self.backward!r}, pre_grad={self.pre_grad}, "
+            f"tol={TOL[self.dtype]}, seed={self.seed})",
+        ]
+        return "\n".join(lines) + "\n"
+
+    def snippet(self) -> str:
+        return ("import copy, sys\nimport torch\nfrom torch import nn\nimport gpipe\n"
+                "sys.path.insert(0, 'tests/fuzz')  # run from the repository root\n"
+                "from layers import *  # the fuzzer's layers\n"
+                "from compare import check\n"
+                + self.body() + "for m in mismatches:\n    print(f'[{m.category}] {m.detail}')\n"
+                "if mismatches.reference:  # the plain model refused an in-place operation\n"
+                "    print(f'vs the boundary-cloned model ({mismatches.reference})')\n")
+
+
+ACTIVATIONS = ("nn.ReLU()", "nn.GELU()", "nn.Tanh()", "nn.Identity()")
+
+
+def _pick_layer(rng: random.Random, sig: Tuple[Any, ...], layers: List[LayerSpec]) -> LayerSpec:
+    """One layer that accepts ``sig``; weights favour the ordinary kinds."""
+    w = lambda: rng.randint(1, 6)  # noqa: E731 - a fresh width
+    frozen = rng.random() < 0.12
+    if sig[0] == "flat":
+        d = sig[1]
+        ties = [i for i, s in enumerate(layers) if s.kind == "linear" and d in s.dims]
+        factors = [c for c in range(1, d) if d % c == 0 and d // c >= 2]
+        # Not after dropout: when the Pipe raises there are no masks for the plain copy to
+        # replay, and its own masks (or CondDropout's full-batch rule) would decide otherwise.
+        drops = any(s.kind in ("dropout", "cond-dropout") for s in layers)
+        menu = {"linear": 14, "act": 10, "inplace": 7, "layernorm": 5, "dropout": 4,
+                "cond-dropout": 4, "external": 5, "closure": 4, "buffer": 3,
+                "tied": 5 if ties else 0, "detach": 2, "constant": 1.5, "split": 5,
+                "unflatten": 3 if factors else 0, "raise": 0 if drops else 2, "raise-backward": 2,
+                "bad-shape": 1}
+    elif sig[0] == "seq":
+        c, l = sig[1], sig[2]
+        menu = {"conv": 12, "act": 8, "inplace": 6, "layernorm": 4, "dropout": 3,
+                "cond-dropout": 3, "flatten": 8}
+    elif sig[0] == "pair":
+        d1, d2 = sig[1], sig[2]
+        menu = {"mix": 8, "swap": 4, "pair-act": 4, "first-only": 5, "join": 6, "product": 4}
+    else:
+        d = sig[1]
+        menu = {"masked": 8, "unmask": 5}
+    kind = rng.choices(list(menu), weights=list(menu.values()))[0]
+
+    def spec(src: str, out: Tuple[Any, ...], **kw: Any) -> LayerSpec:
+        return LayerSpec(kind, src, sig, out, **kw)
+
+    if kind == "linear":
+        d2 = w()
+        bias = "" if rng.random() < 0.8 else ", bias=False"
+        return spec(f"nn.Linear({d}, {d2}{bias}, dtype=dtype)", ("flat", d2), frozen=frozen,
+                    dims=(d, d2))
+    if kind == "act":
+        return spec(rng.choice(ACTIVATIONS), sig)
+    if kind == "inplace":
+        return spec("nn.ReLU(inplace=True)", sig)
+    if kind == "layernorm":
+        n = d if sig[0] == "flat" else l
+        if rng.random() < 0.2:
+            return spec(f"nn.LayerNorm({n}, elementwise_affine=False, dtype=dtype)", sig)
+        return spec(f"nn.LayerNorm({n}, dtype=dtype)", sig, frozen=frozen)
+    if kind == "dropout":
+        return spec("MaskDropout(0.5)", sig)
+    if kind == "cond-dropout":
+        return spec(f"CondDropout(0.5, below={rng.randint(2, 5)})", sig)
+    if kind in ("external", "closure"):
+        d2 = w()
+        cls = "ExternalMatmul" if kind == "external" else "ClosureMatmul"
+        return spec(f"{cls}({d}, {d2}, dtype=dtype)", ("flat", d2))
+    if kind == "buffer":
+        return spec(f"BufferScale({d}, dtype=dtype)", sig)
+    if kind == "tied":
+        ref = rng.choice(ties)
+        a, b = layers[ref].dims  # the source is Linear(a, b): weight (b, a)
+        transpose = d == b and (d != a or rng.random() < 0.5)
+        return spec(f"TiedLinear(layers[{{ref}}], transpose={transpose})",
+                    ("flat", a if transpose else b), ref=ref)
+    if kind == "detach":
+        return spec("Detach()", sig)
+    if kind == "constant":
+        d2 = w()
+        return spec(f"Constant({d2})", ("flat", d2))
+    if kind == "split":
+        return spec(f"Split({d}, dtype=dtype)", ("pair", d, d), frozen=frozen)
+    if kind == "unflatten":
+        c = rng.choice(factors)
+        return spec(f"nn.Unflatten(1, ({c}, {d // c}))", ("seq", c, d // c))
+    if kind == "raise":
+        return spec(f"RaiseIf({rng.choice([1.5, 2.0, 3.0])})", sig)
+    if kind == "raise-backward":
+        return spec(f"RaiseInBackward({rng.choice([0.5, 1.0, 2.0])})", sig)
+    if kind == "bad-shape":  # a wrong in_features: the plain model raises RuntimeError
+        d2 = w()
+        return spec(f"nn.Linear({d + 1}, {d2}, dtype=dtype)", ("flat", d2))
+    if kind == "conv":
+        c2, pad = rng.randint(1, 3), rng.randint(0, 1)
+        k = rng.randint(1, min(3, l + 2 * pad))  # the output keeps at least one position
+        return spec(f"nn.Conv1d({c}, {c2}, {k}, padding={pad}, dtype=dtype)",
+                    ("seq", c2, l + 2 * pad - k + 1), frozen=frozen)
+    if kind == "flatten":
+        return spec("nn.Flatten()", ("flat", c * l))
+    if kind == "mix":
+        return spec(f"Mix({d1}, {d2}, dtype=dtype)", sig, frozen=frozen)
+    if kind == "swap":
+        return spec("Swap()", ("pair", d2, d1))
+    if kind == "pair-act":
+        return spec("PairTanh()", sig)
+    if kind == "first-only":
+        return spec(f"FirstOnly({d1}, dtype=dtype)", sig, frozen=frozen)
+    if kind == "join":
+        d3 = w()
+        return spec(f"Join({d1}, {d2}, {d3}, dtype=dtype)", ("flat", d3), frozen=frozen)
+    if kind == "product":
+        return spec("PairProduct()", ("flat", d1))
+    if kind == "masked":
+        d2 = w()
+        return spec(f"Masked({d}, {d2}, dtype=dtype)", ("masked", d2), frozen=frozen)
+    return spec("Unmask()", ("flat", d))
+
+
+def features_of(cfg: Config) -> List[str]:
+    """Names --without can exclude: layer kinds, 'frozen', 'inplace-first' (an in-place ReLU
+    opens a stage), 'tuple-input', 'float32', 'eval', 'no_grad', 'pre_grad', the backward and
+    checkpoint modes."""
+    found = {s.kind for s in cfg.layers} | {cfg.backward, cfg.checkpoint}
+    starts = {sum(cfg.balance[:j]) for j in range(len(cfg.balance))}
+    found |= {"frozen"} if any(s.frozen for s in cfg.layers) else set()
+    found |= {"inplace-first"} if any(cfg.layers[i].kind == "inplace" for i in starts) else set()
+    found |= {"tuple-input"} if len(cfg.inputs) > 1 else set()
+    found |= {"float32"} if cfg.dtype == "float32" else set()
+    found |= {"eval"} if not cfg.training else set()
+    found |= {"no_grad"} if cfg.no_grad else set()
+    found |= {"pre_grad"} if cfg.pre_grad else set()
+    return sorted(found)
+
+
+def generate(seed: int) -> Config:
+    """The configuration of ``seed`` (the same on every machine and run)."""
+    rng = random.Random(seed)
+    start = rng.choices(["flat", "seq", "pair", "masked"], weights=[55, 15, 20, 10])[0]
+    grad = lambda: rng.random() < 0.6  # noqa: E731
+    if start == "flat":
+        d = rng.randint(1, 6)
+        sig: Tuple[Any, ...] = ("flat", d)
+        inputs = [InputSpec("float", (d,), grad())]
+    elif start == "seq":
+        c, l = rng.randint(1, 3), rng.randint(2, 5)
+        sig, inputs = ("seq", c, l), [InputSpec("float", (c, l), grad())]
+    elif start == "pair":
+        d1, d2 = rng.randint(1, 6), rng.randint(1, 6)
+        sig = ("pair", d1, d2)
+        inputs = [InputSpec("float", (d1,), grad()), InputSpec("float", (d2,), grad())]
+    else:
+        d = rng.randint(1, 6)
+        sig, inputs = ("masked", d), [InputSpec("float", (d,), grad()), InputSpec("mask", ())]
+    layers: List[LayerSpec] = []
+    for _ in range(rng.choice([1, 2, 3, 3, 4, 4, 5, 5, 6, 7, 8])):
+        layers.append(_pick_layer(rng, sig, layers))
+        sig = layers[-1].sig_out
+    if rng.random() < 0.08:  # only external tensors (if any) stay trainable
+        for s in layers:
+            s.frozen = s.kind in ("linear", "layernorm", "split", "conv", "mix", "first-only",
+                                  "join", "masked")
+    n = len(layers)
+    k = rng.randint(1, min(4, n))
+    cuts = sorted(rng.sample(range(1, n), k - 1))
+    balance = [b - a for a, b in zip([0] + cuts, cuts + [n])]
+    float_grad = any(s.requires_grad for s in inputs)
+    backward = rng.choices(BACKWARDS, weights=[45, 15, 15, 12, 13])[0]
+    if backward in ("grad_inputs", "backward_inputs") and not float_grad:
+        backward = "grad_params"
+    cfg = Config(seed=seed, layers=layers, balance=balance, chunks=rng.randint(1, 6),
+                 checkpoint=rng.choice(MODES),
+                 dtype="float32" if rng.random() < 0.1 else "float64",
+                 rows=rng.randint(1, 8), inputs=inputs, training=rng.random() < 0.8,
+                 no_grad=rng.random() < 0.12, backward=backward, pre_grad=rng.random() < 0.25)
+    cfg.features = features_of(cfg)
+    return cfg
+
+
+# -- shrinking -------------------------------------------------------------------------------
+
+def _smaller(cfg: Config) -> Iterable[Config]:
+    """Simpler variants of ``cfg``, simplest first; each still a valid model."""
+    if cfg.backward != "backward":
+        yield replace(cfg, backward="backward")
+    for flag in ("pre_grad", "no_grad"):
+        if getattr(cfg, flag):
+            yield replace(cfg, **{flag: False})
+    for i, s in enumerate(cfg.layers):  # drop a layer that keeps the signature
+        if len(cfg.layers) > 1 and s.sig_in == s.sig_out and all(t.ref != i for t in cfg.layers):
+            yield _without_layer(cfg, i)
+    for j in range(len(cfg.balance) - 1):  # merge two neighbouring stages
+        yield replace(cfg, balance=cfg.balance[:j] + [cfg.balance[j] + cfg.balance[j + 1]]
+                      + cfg.balance[j + 2:])
+    for chunks in range(1, cfg.chunks):
+        yield replace(cfg, chunks=chunks)
+    for rows in range(1, cfg.rows):
+        yield replace(cfg, rows=rows)
+    for k, s in enumerate(cfg.inputs):
+        if s.requires_grad:
+            yield replace(cfg, inputs=cfg.inputs[:k] + [replace(s, requires_grad=False)]
+                          + cfg.inputs[k + 1:])
+    for i, s in enumerate(cfg.layers):
+        if s.frozen:
+            yield replace(cfg, layers=cfg.layers[:i] + [replace(s, frozen=False)]
+                          + cfg.layers[i + 1:])
+    for mode in MODES:
+        if MODES.index(mode) > MODES.index(cfg.checkpoint):
+            yield replace(cfg, checkpoint=mode)
+
+
+def _without_layer(cfg: Config, i: int) -> Config:
+    """``cfg`` less layer i: references shift down, its stage loses one layer (gone if empty)."""
+    layers = [replace(s, ref=None if s.ref is None else s.ref - (s.ref > i))
+              for j, s in enumerate(cfg.layers) if j != i]
+    balance, start = [], 0
+    for b in cfg.balance:
+        balance.append(b - (start <= i < start + b))
+        start += b
+    return replace(cfg, layers=layers, balance=[b for b in balance if b > 0])
+
+
+def shrink(cfg: Config, found: Mismatch, timeout: float,
+           budget: int = 60) -> Tuple[Config, Mismatch]:
+    """Greedily simplifies ``cfg`` while a mismatch of ``found``'s kind remains; returns the
+    simplest configuration and its mismatch of that kind."""
+    progress = True
+    while progress and budget > 0:
+        progress = False
+        for candidate in _smaller(cfg):
+            budget -= 1
+            try:
+                again = [m for m in run_config(candidate, timeout) if m.kind == found.kind]
+            except Hang:
+                return cfg, found
+            if again:
+                cfg, found, progress = candidate, again[0], True
+                break
+            if budget <= 0:
+                break
+    cfg.features = features_of(cfg)
+    return cfg, found
+
