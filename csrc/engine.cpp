@@ -201,7 +201,7 @@ Batch Engine::forward(const Batch& input, bool training) {
 
   PipeRun& r = *run;
   const CellFn cell = [this, &r, stop, step](int64_t j, const Action& action, Payload in,
-                                                     const char*& /*phase*/) {
+                                             const char*& /*phase*/) {
     Stage& stage = *stages_[static_cast<size_t>(j)];
     auto guard = on_compute_stream(stage);
     const int64_t i = action.microbatch;
@@ -391,7 +391,7 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     return Payload{std::move(dx), mark(stage.lane().compute)};
   };
 
-  // CUDA deadlock rule (DESIGN.md). The autograd engine runs each node on
+  // CUDA deadlock rule (docs/gpu.md). The autograd engine runs each node on
   // one thread per device: CPU nodes on the thread that called backward(),
   // an accelerator's nodes on that device's engine thread. When this call
   // runs on device d's engine thread, every cell of a stage on device d

@@ -1,6 +1,6 @@
 // rng.h — saving and replaying the default generators a checkpointed cell draws from.
 //
-// RNG rule (DESIGN.md): stages sharing a generator (every CPU stage; several
+// RNG rule: stages sharing a generator (every CPU stage; several
 // stages on one GPU) draw from it concurrently. A checkpointed cell whose
 // stage draws, and every recompute that replays draws, therefore hold
 // `lock_for(generator)` exclusively, so no other cell draws between the

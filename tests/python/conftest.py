@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 import gpipe
 
-#: Transparency tolerance in float64 (DESIGN.md section 2). Never loosen it.
+#: Transparency tolerance in float64: the Pipe equals the plain model up to summation order. Never loosen it.
 TOL = 1e-10
 
 CPU = torch.device("cpu")
