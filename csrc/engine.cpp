@@ -265,6 +265,25 @@ Batch Engine::forward(const Batch& input, bool training) {
   }
   auto node = std::shared_ptr<PipeBackward>(new PipeBackward(run), torch::autograd::deleteNode);
   auto edges = torch::autograd::collect_next_edges(input.values);
+  // An input no output depends on gets no edge, as in the plain model's
+  // graph: autograd then neither runs the backward for it nor waits for it.
+  // Stage 0's graphs say which inputs they reach; every later stage must
+  // reach its own input for anything to flow back that far.
+  bool chain = true;
+  for (size_t j = 1; j < run->cells.size(); ++j) {
+    bool any = false;
+    for (const auto& c : run->cells[j]) {
+      for (bool r : c.cut.reached) any = any || r;
+    }
+    chain = chain && any;
+  }
+  for (size_t v = 0; v < edges.size(); ++v) {
+    bool reached = false;
+    for (const auto& c : run->cells.front()) {
+      reached = reached || (v < c.cut.reached.size() && c.cut.reached[v]);
+    }
+    if (!(chain && reached)) edges[v] = torch::autograd::Edge();
+  }
   for (const auto& edge : run->externals.edges()) edges.push_back(edge);
   node->set_next_edges(std::move(edges));
   run->output_atomic = out.atomic;

@@ -9,6 +9,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace gpipe::detail {
@@ -59,11 +60,20 @@ class Capture : public Node {
 
 Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& window,
                      const std::vector<at::Tensor>& leaves) {
-  std::unordered_set<const Node*> own_leaves;
-  for (const auto& leaf : leaves) {
-    if (leaf.defined()) own_leaves.insert(torch::autograd::impl::gradient_edge(leaf).function.get());
+  std::unordered_map<const Node*, size_t> own_leaves;
+  for (size_t k = 0; k < leaves.size(); ++k) {
+    if (leaves[k].defined()) {
+      own_leaves.emplace(torch::autograd::impl::gradient_edge(leaves[k]).function.get(), k);
+    }
   }
   Cut cut;
+  cut.reached.assign(leaves.size(), false);
+  auto own_leaf = [&](const Node* node) {
+    auto it = own_leaves.find(node);
+    if (it == own_leaves.end()) return false;
+    cut.reached[it->second] = true;
+    return true;
+  };
   EdgeIndex numbers;
   auto external = [&](const Edge& edge) {
     const auto before = numbers.size();
@@ -96,7 +106,7 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
     Node* node = edge.function.get();
     if (!inside(node)) {
       cut.direct[k] = external(edge);
-    } else if (own_leaves.count(node) == 0 && visited.insert(node).second) {
+    } else if (!own_leaf(node) && visited.insert(node).second) {
       stack.push_back(node);
     }
   }
@@ -106,7 +116,7 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
     for (uint32_t i = 0; i < node->num_outputs(); ++i) {
       const Edge& edge = node->next_edge(i);
       Node* next = edge.function.get();
-      if (next == nullptr || own_leaves.count(next) != 0) continue;
+      if (next == nullptr || own_leaf(next)) continue;
       if (window.contains(*next)) {
         if (visited.insert(next).second) stack.push_back(next);
         continue;

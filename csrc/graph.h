@@ -59,6 +59,9 @@ struct Cut {
   /// For each output: the number of the external edge it is (the layers
   /// returned an outside tensor as it is), or -1.
   std::vector<int64_t> direct;
+  /// For each of the cell's input leaves: whether the graph reaches it (an
+  /// output depends on that input).
+  std::vector<bool> reached;
 };
 
 /// Walks the graph behind `outputs` through the nodes inside `window` and

@@ -231,3 +231,39 @@ def test_one_pipe_twice_in_one_graph(checkpoint: str) -> None:
     assert "error" not in outcome, outcome.get("error")
     (ref(x1).sum() + ref(x2).pow(2).sum()).backward()
     assert_same_grads(pipe, ref)
+
+
+class RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        raise AssertionError("this backward must not run: nothing asked for its grad")
+
+
+class Unused(nn.Module):
+    """Ignores its input's history (a detach): the output depends on no input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_input_no_output_depends_on_runs_no_backward(checkpoint: str) -> None:
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+
+    class Guarded(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return RaiseInBackward.apply(x @ w)
+
+    model = nn.Sequential(Unused(), Guarded())
+    pipe = gpipe.Pipe(model, balance=[1, 1], devices=["cpu"] * 2, chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    out = pipe(x)
+    assert out.requires_grad  # through w
+    out.sum().backward(inputs=[x])  # the plain model computes nothing here
+    assert x.grad is None and w.grad is None
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        torch.autograd.grad(pipe(x).sum(), x)
