@@ -257,32 +257,32 @@ Batch Engine::forward(const Batch& input, bool training) {
 
   // Wire the outputs to one PipeBackward node whose edges lead to the inputs
   // and to every outside tensor some cell reached, in stage and micro-batch
-  // order.
-  for (const auto& stage_cells : run->cells) {
-    for (const auto& c : stage_cells) {
+  // order. What no output depends on gets no edge, as in the plain model's
+  // graph, so autograd neither runs the backward for it nor waits for it:
+  // grads reach stage j only when every later stage's graphs reach their
+  // inputs.
+  std::vector<bool> connected(static_cast<size_t>(k), true);
+  for (int64_t j = k - 2; j >= 0; --j) {
+    bool next_reaches_input = false;
+    for (const auto& c : run->cells[static_cast<size_t>(j + 1)]) {
+      for (bool reached : c.cut.reached) next_reaches_input = next_reaches_input || reached;
+    }
+    connected[static_cast<size_t>(j)] = connected[static_cast<size_t>(j + 1)] && next_reaches_input;
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    if (!connected[static_cast<size_t>(j)]) continue;
+    for (const auto& c : run->cells[static_cast<size_t>(j)]) {
       for (const auto& edge : c.cut.externals) run->externals.add(edge);
     }
   }
   auto node = std::shared_ptr<PipeBackward>(new PipeBackward(run), torch::autograd::deleteNode);
   auto edges = torch::autograd::collect_next_edges(input.values);
-  // An input no output depends on gets no edge, as in the plain model's
-  // graph: autograd then neither runs the backward for it nor waits for it.
-  // Stage 0's graphs say which inputs they reach; every later stage must
-  // reach its own input for anything to flow back that far.
-  bool chain = true;
-  for (size_t j = 1; j < run->cells.size(); ++j) {
-    bool any = false;
-    for (const auto& c : run->cells[j]) {
-      for (bool r : c.cut.reached) any = any || r;
-    }
-    chain = chain && any;
-  }
   for (size_t v = 0; v < edges.size(); ++v) {
     bool reached = false;
     for (const auto& c : run->cells.front()) {
       reached = reached || (v < c.cut.reached.size() && c.cut.reached[v]);
     }
-    if (!(chain && reached)) edges[v] = torch::autograd::Edge();
+    if (!(connected.front() && reached)) edges[v] = torch::autograd::Edge();
   }
   for (const auto& edge : run->externals.edges()) edges.push_back(edge);
   node->set_next_edges(std::move(edges));
@@ -356,6 +356,15 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
   for (size_t j = 1; j < static_cast<size_t>(k); ++j) {
     wants_input[j] = wants_input[j - 1] || wants_external[j - 1];
   }
+  // A stage whose graphs reach no input passes no grad back: the stages
+  // before it get none from it.
+  for (size_t j = 0; j < static_cast<size_t>(k); ++j) {
+    bool reaches_input = false;
+    for (const auto& c : run.cells[j]) {
+      for (bool reached : c.cut.reached) reaches_input = reaches_input || reached;
+    }
+    wants_input[j] = wants_input[j] && reaches_input;
+  }
 
   // Each stage sums its cells' grads for the external edges on its own
   // worker (sums[stage][edge]); the stages' sums are added at the end.
@@ -374,7 +383,12 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     if (j == 0) {
       for (size_t v = 0; v < values && v < inputs; ++v) wanted_inputs[v] = needed[v];
     }
-    if (!wants_input[static_cast<size_t>(j)] && !wants_external[static_cast<size_t>(j)]) {
+    bool any_grad = false;
+    for (const auto& g : dy.values) any_grad = any_grad || g.defined();
+    if (!any_grad ||
+        (!wants_input[static_cast<size_t>(j)] && !wants_external[static_cast<size_t>(j)])) {
+      // Nothing flows into this cell, or nothing it could give is asked for:
+      // no recompute, no backward, as autograd would not run them.
       Batch nothing(std::vector<at::Tensor>(values), c.input_atomic);
       if (!keep_graph) c = Cell();
       return Payload{std::move(nothing), {}};

@@ -7,12 +7,35 @@ grad is being used in an in-place operation"), and, with checkpointing, on a
 tensor an earlier stage saved ("one of the variables needed for gradient
 computation has been modified by an inplace operation": the recompute
 regenerates it). There the Pipe is compared against :class:`BoundaryCloned`,
-the same layers with each stage's input handed over the way gpipe does.
+the same layers run cell by cell (stage x micro-batch) with gpipe's rules:
+
+* Micro-batches: the inputs cut along dim 0 like ``torch.chunk``; with more
+  than one, every piece counts its versions on its own (csrc/engine.cpp), and
+  the outputs are concatenated.
+* Hand-over: a stage gets a detached alias of what it is given (same storage
+  and version counter; :class:`_Handover` keeps the grad flowing), so in-place
+  work changes the previous stage's output, or the caller's tensor.
+* A cell that is not checkpointed keeps its graph: an in-place change of what
+  it saved, by a later stage too, fails the backward as in the plain model.
+* A checkpointed cell (``'always'``: every micro-batch, ``'except_last'``: all
+  but the last, ``'never'``: none; none in eval mode or without grad mode)
+  rebuilds its graph from its input as it was at its forward: what it saved
+  can't be spoilt by later stages, but a change made by its own layers (which
+  the recompute repeats) still fails. :class:`_Checkpointed` models that with
+  saved-tensor hooks (each saved tensor kept as a copy taken when saved), and
+  gpipe's watch: when the stage neither changes its input nor returns an alias
+  of it, a change of that input before the backward fails too.
+* A checkpointed cell that draws random numbers after its stage's first
+  checkpointed cell did not keeps its graph (csrc/stage.cpp, "verify only").
+  Not modelled: a cell keeping its graph because another stage drew
+  concurrently, which needs dropout and an in-place spoiling stage together.
 """
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+
+from layers import MaskDropout
 
 #: The plain model's in-place refusals that gpipe's hand-over at stage boundaries avoids.
 INPLACE_ERRORS = (
@@ -20,6 +43,7 @@ INPLACE_ERRORS = (
     "one of the variables needed for gradient computation has been modified by an inplace "
     "operation",
 )
+CHECKPOINT_STOPS = {"always": lambda m: m, "except_last": lambda m: m - 1, "never": lambda m: 0}
 
 
 def as_tuple(x: Any) -> Tuple[Any, ...]:
@@ -46,38 +70,142 @@ def is_input_or_view(t: Tensor, inputs: Sequence[Tensor]) -> bool:
 
 
 class _Handover(torch.autograd.Function):
-    """A non-leaf alias of x (same storage and version counter), as gpipe's Boundary hands a
-    stage its input: in-place work on it changes the caller's tensor, as in the Pipe."""
+    """A non-leaf alias of x as gpipe hands a stage its input: the same storage, and the same
+    version counter (``fresh``: its own, as each micro-batch piece gets with chunks > 1)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
-        return x.detach()
+    def forward(ctx: Any, x: Tensor, fresh: bool) -> Tensor:  # type: ignore[override]
+        return x.data if fresh else x.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
-        return grad
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def hand_over(x: Any, fresh: bool) -> Any:
+    handed = tuple(_Handover.apply(t, fresh) if t.requires_grad else t.data if fresh else t
+                   for t in as_tuple(x))
+    return handed if isinstance(x, tuple) else handed[0]
+
+
+class _Checkpointed:
+    """Saved-tensor hooks for one checkpointed cell: what it saves is what its recompute would
+    regenerate, a copy taken when saved; a saved tensor its own stage changed in place later
+    (:meth:`seal` at the end of the stage) fails, as in the recompute; so does a watched input
+    changed since the forward."""
+
+    def __init__(self) -> None:
+        self.saved: List[List[Any]] = []  # [tensor, version when saved, copy, version at seal]
+        self.watched: List[Tuple[Tensor, int]] = []
+
+    def pack(self, t: Tensor) -> List[Any]:
+        record = [t, t._version, t.detach().clone(), None]
+        self.saved.append(record)
+        return record
+
+    def seal(self, watched: Sequence[Tensor]) -> None:
+        for record in self.saved:
+            record[3] = record[0]._version
+            record[0] = None
+        self.watched = [(t, t._version) for t in watched]
+
+    def unpack(self, record: List[Any]) -> Tensor:
+        for t, version in self.watched:
+            if t._version != version:
+                raise RuntimeError(f"{INPLACE_ERRORS[1]}: the checkpointed stage's input is at "
+                                   f"version {t._version}; expected version {version}")
+        if record[3] is not None and record[3] != record[1]:
+            raise RuntimeError(f"{INPLACE_ERRORS[1]}: a tensor its stage saved (at version "
+                               f"{record[1]}) is at version {record[3]} (the recompute fails)")
+        return record[2]
+
+
+def _draws(stage: Sequence[nn.Module], rows: int) -> bool:
+    """Whether gpipe's cell of ``stage`` draws random numbers on a micro-batch of ``rows``."""
+    dummy = torch.empty(rows, 0)
+    return any(isinstance(l, MaskDropout) and l.training and l.draws(dummy) for l in stage)
 
 
 class BoundaryCloned(nn.Sequential):
-    """The same layers run plainly, but each stage (per ``balance``, stage 0 included) gets
-    every input tensor that requires grad handed over as gpipe does: ``t.clone()``
-    (differentiable, so the graph is kept; in-place work on it leaves what earlier stages saved
-    intact, as a recompute does), except that the caller's tensors, or views of them, are handed
-    over as non-leaf aliases (:class:`_Handover`), since in the Pipe in-place work changes them
-    (and bumps their version) as it does in the plain model. Tensors that need no grad are
-    handed over as they are. Layer names are the plain model's."""
+    """The same layers run cell by cell as gpipe runs them (see the module docstring); layer
+    names are the plain model's. ``errors`` lists, after a forward, every cell that raised
+    (micro-batch, stage, exception): each micro-batch goes on until its first error."""
 
-    def __init__(self, model: nn.Sequential, balance: Sequence[int]) -> None:
+    def __init__(self, model: nn.Sequential, balance: Sequence[int], chunks: int = 1,
+                 checkpoint: str = "never") -> None:
         super().__init__(*model)
-        self.starts = {sum(balance[:j]) for j in range(len(balance))}
+        starts = [sum(balance[:j]) for j in range(len(balance) + 1)]
+        self.stages = [list(range(a, b)) for a, b in zip(starts, starts[1:])]
+        self.chunks, self.checkpoint = chunks, checkpoint
+        self.errors: List[Tuple[int, int, BaseException]] = []
+
+    def _cell(self, j: int, x: Any, checkpointed: bool, fresh: bool) -> Any:
+        x = hand_over(x, fresh)
+        run = lambda: self._layers(j, x)  # noqa: E731
+        if not checkpointed:
+            return run()
+        hooks = _Checkpointed()
+        before = [t._version for t in as_tuple(x)]
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            out = run()
+        mutated = [t._version for t in as_tuple(x)] != before
+        aliased = any(o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                      and o.untyped_storage().nbytes() > 0
+                      for o in as_tuple(out) for t in as_tuple(x))
+        hooks.seal(() if mutated or aliased else as_tuple(x))
+        return out
+
+    def _layers(self, j: int, x: Any) -> Any:
+        for i in self.stages[j]:
+            x = self[i](x)
+        return x
 
     def forward(self, x: Any) -> Any:  # type: ignore[override]
+        self.errors = []
         callers = as_tuple(x)
-        for i, layer in enumerate(self):
-            if i in self.starts:
-                handed = tuple(t if not t.requires_grad else _Handover.apply(t)
-                               if is_input_or_view(t, callers) else t.clone()
-                               for t in as_tuple(x))
-                x = handed if isinstance(x, tuple) else handed[0]
-            x = layer(x)
-        return x
+        m = len(callers[0].chunk(self.chunks)) if self.chunks > 1 and callers[0].shape[0] else 1
+        pieces = ([tuple(t.chunk(m)[i] for t in callers) for i in range(m)] if m > 1
+                  else [callers])
+        rows = [p[0].shape[0] for p in pieces]
+        graph = torch.is_grad_enabled() and self.training
+        stop = CHECKPOINT_STOPS[self.checkpoint](m) if graph else 0
+        # Dropout replays the Pipe's masks (whole batch, micro-batch order): each cell its slice.
+        replays = {i: l.replay for i, l in enumerate(self)
+                   if isinstance(l, MaskDropout) and l.replay is not None}
+        offsets = [sum(rows[:i]) for i in range(m)]
+        state = [None] * len(self.stages)  # per stage: whether its checkpointed cells draw
+        results: List[Any] = [None] * m
+        for i, piece in enumerate(pieces):
+            h: Any = piece if isinstance(x, tuple) else piece[0]
+            for j, stage in enumerate(self.stages):
+                for k in stage:
+                    if k in replays:
+                        full = replays[k]
+                        self[k].replay = (full[offsets[i]:offsets[i] + rows[i]]
+                                          if full.shape[0] == sum(rows) else full)
+                checkpointed = i < stop
+                if checkpointed:
+                    drew = _draws([self[k] for k in stage], rows[i])
+                    if state[j] is False and drew:
+                        checkpointed = False  # the snapshot may not be its own: keeps the graph
+                    if state[j] is None or drew:
+                        state[j] = drew
+                try:
+                    h = self._cell(j, h, checkpointed, fresh=m > 1 and j == 0)
+                except Exception as e:  # noqa: BLE001 - the Pipe's cell raises it
+                    self.errors.append((i, j, e))
+                    break
+            results[i] = h
+        if self.errors:
+            raise min(self.errors, key=lambda e: (e[0] + e[1], e[0]))[2]
+        if m == 1:
+            return results[0]
+        outs = tuple(torch.cat(parts) for parts in zip(*(as_tuple(r) for r in results)))
+        return outs if isinstance(results[0], tuple) else outs[0]
+
+    def first_errors(self) -> List[BaseException]:
+        """The errors the Pipe's forward may raise (its first in time): a micro-batch's error
+        comes first unless an earlier micro-batch fails at the same stage or an earlier one
+        (a stage runs its micro-batches in order)."""
+        return [e for i, j, e in self.errors
+                if not any(i2 < i and j2 <= j for i2, j2, _ in self.errors)]

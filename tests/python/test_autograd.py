@@ -267,3 +267,37 @@ def test_input_no_output_depends_on_runs_no_backward(checkpoint: str) -> None:
     assert x.grad is None and w.grad is None
     with pytest.raises(RuntimeError, match="not have been used in the graph"):
         torch.autograd.grad(pipe(x).sum(), x)
+
+
+class Spy(torch.autograd.Function):
+    """Identity whose backward counts its calls."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        Spy.calls += 1
+        return g
+
+
+class SpyLayer(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Spy.apply(x)
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_parameter_no_output_depends_on_runs_no_backward(checkpoint: str) -> None:
+    """Stage 0's weight is cut off by a constant stage: asking for its grad runs nothing."""
+    model = nn.Sequential(nn.Linear(5, 3), Constant(), nn.Linear(3, 3), SpyLayer()).double()
+    ref = copy.deepcopy(model)
+    pipe = gpipe.Pipe(model, balance=[1, 2, 1], devices=["cpu"] * 3, chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    for net in (ref, pipe):
+        Spy.calls = 0
+        net(x).sum().backward(inputs=[net[0].weight])
+        assert net[0].weight.grad is None
+        assert Spy.calls == 0, type(net).__name__

@@ -49,14 +49,14 @@ def test_generation_is_deterministic():
         assert fuzz.generate(seed).body() == fuzz.generate(seed).body()
 
 
-def _check(layers, balance, x, **kw):
+def _check(layers, balance, x, chunks=2, checkpoint="always", **kw):
     load_fuzz()
     from compare import check  # noqa: E402 - on sys.path once fuzz.py is loaded
 
     model = nn.Sequential(*layers)
     ref = copy.deepcopy(model)
-    pipe = gpipe.Pipe(model, balance=balance, devices=["cpu"] * len(balance), chunks=2,
-                      checkpoint="always")
+    pipe = gpipe.Pipe(model, balance=balance, devices=["cpu"] * len(balance), chunks=chunks,
+                      checkpoint=checkpoint)
     return check(pipe, ref, x, **kw)
 
 
@@ -85,3 +85,39 @@ def test_no_grad_outputs_that_are_inputs():
          torch.randn(4, 3, dtype=torch.float64, requires_grad=True))
     found = _check([fuzz.Swap(), fuzz.Swap()], [1, 1], x, no_grad=True)  # returns x
     assert list(found) == []
+
+
+def test_the_boundary_cloned_model_follows_the_checkpoint_mode():
+    """Seeds 2166, 6843: stage 1 works in place on stage 0's output, which is the caller's input
+    that stage 0's in-place ReLU saved. A checkpointed stage 0 recomputes (no error); one that
+    keeps its graph fails as the plain model would, in the Pipe and the reference alike."""
+    f64 = torch.float64
+    for chunks, checkpoint in ((1, "always"), (3, "always"), (1, "never"), (3, "except_last")):
+        torch.manual_seed(0)
+        x = torch.randn(3, 3, dtype=f64, requires_grad=True)
+        layers = [nn.ReLU(inplace=True), nn.ReLU(inplace=True), nn.Linear(3, 2, dtype=f64)]
+        found = _check(layers, [1, 2], x, chunks=chunks, checkpoint=checkpoint)
+        assert (found.reference, list(found)) == ("forward", []), (chunks, checkpoint)
+
+
+def test_a_forward_error_may_come_from_any_first_failing_micro_batch():
+    """Seed 4967: micro-batch 0 passes RaiseIf and fails in the wrong-shaped Linear; micro-batch
+    1 trips RaiseIf, which the plain model, going layer by layer, raises first."""
+    fuzz = load_fuzz()
+    x = torch.tensor([[0.5, 0.5, 0.5], [5.0, 0.5, 0.5]], dtype=torch.float64)
+    layers = [fuzz.RaiseIf(2.0), nn.Linear(4, 2, dtype=torch.float64)]
+    for chunks in (1, 2):
+        assert list(_check(layers, [2], x, chunks=chunks, checkpoint="never")) == []
+
+
+def test_float32_is_compared_relative_to_scale_and_float64_absolutely():
+    load_fuzz()
+    from compare import TOL, _diff  # noqa: E402
+
+    f32, f64 = torch.float32, torch.float64
+    assert _diff(torch.tensor([1000.0], dtype=f32), torch.tensor([1000.05], dtype=f32),
+                 TOL["float32"], "ref") is None
+    assert _diff(torch.tensor([0.0], dtype=f32), torch.tensor([3e-4], dtype=f32),
+                 TOL["float32"], "ref") is not None
+    assert _diff(torch.tensor([1000.0], dtype=f64), torch.tensor([1000.0 + 1e-9], dtype=f64),
+                 TOL["float64"], "ref") is not None
