@@ -367,10 +367,14 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
   }
 
   // Each stage sums its cells' grads for the external edges on its own
-  // worker (sums[stage][edge]); the stages' sums are added at the end.
+  // worker (sums[stage][edge]); the stages' sums are added at the end. A sum
+  // starts as the first grad itself (autograd's, not to be written to) and
+  // becomes a tensor of our own at the second, which later grads are added
+  // into in place: one allocation per edge and step, as AccumulateGrad does.
   std::vector<std::vector<at::Tensor>> sums(static_cast<size_t>(k),
                                             std::vector<at::Tensor>(externals));
-  const CellFn cell = [this, &run, &sums, &needed, &wants_input, &wants_external, inputs,
+  std::vector<std::vector<char>> owned(static_cast<size_t>(k), std::vector<char>(externals, 0));
+  const CellFn cell = [this, &run, &sums, &owned, &needed, &wants_input, &wants_external, inputs,
                        keep_graph](int64_t j, const Action& action, Payload in,
                                    const char*& phase) {
     Stage& stage = *stages_[static_cast<size_t>(j)];
@@ -413,12 +417,20 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     Span span(tracer_, run.step, j, i, TracePhase::Backward, stage.lane().compute);
     std::vector<at::Tensor> external_grads;
     Batch dx = stage.backward(c, dy, keep_graph, wanted_inputs, wanted, external_grads);
-    auto& sum = sums[static_cast<size_t>(j)];
     for (size_t e = 0; e < external_grads.size(); ++e) {
       auto& g = external_grads[e];
       if (!g.defined()) continue;
-      auto& total = sum[static_cast<size_t>(ids[e])];
-      total = total.defined() ? at::add(total, g) : std::move(g);
+      const auto id = static_cast<size_t>(ids[e]);
+      auto& total = sums[static_cast<size_t>(j)][id];
+      char& own = owned[static_cast<size_t>(j)][id];
+      if (!total.defined()) {
+        total = std::move(g);
+      } else if (own == 0) {
+        total = at::add(total, g);
+        own = 1;
+      } else {
+        total.add_(g);
+      }
     }
     span.finish();
     return Payload{std::move(dx), mark(stage.lane().compute)};
