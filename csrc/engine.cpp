@@ -11,6 +11,7 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
 #include <pthread.h>
@@ -297,7 +298,8 @@ Batch Engine::forward(const Batch& input, bool training) {
 }
 
 std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Tensor>& grads,
-                                         bool keep_graph, const std::vector<bool>& needed) {
+                                         bool keep_graph, const std::vector<bool>& needed,
+                                         const std::vector<bool>& accumulate) {
   Call call(*this, "backward");
   for (size_t v = 0; v < run.input_counters.size(); ++v) {
     const uint32_t now = run.input_counters[v].current_version();
@@ -374,7 +376,20 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
   std::vector<std::vector<at::Tensor>> sums(static_cast<size_t>(k),
                                             std::vector<at::Tensor>(externals));
   std::vector<std::vector<char>> owned(static_cast<size_t>(k), std::vector<char>(externals, 0));
-  const CellFn cell = [this, &run, &sums, &owned, &needed, &wants_input, &wants_external, inputs,
+  // Leaves whose grads go straight into .grad (see PipeBackward), each under
+  // its own lock: a weight tied across stages gets grads from two workers.
+  TORCH_INTERNAL_ASSERT(accumulate.size() == externals);
+  std::vector<torch::autograd::AccumulateGrad*> accumulators(externals, nullptr);
+  for (size_t e = 0; e < externals; ++e) {
+    if (accumulate[e]) {
+      accumulators[e] =
+          dynamic_cast<torch::autograd::AccumulateGrad*>(run.externals.edges()[e].function.get());
+      TORCH_INTERNAL_ASSERT(accumulators[e] != nullptr);
+    }
+  }
+  auto accumulator_locks = std::make_unique<std::mutex[]>(externals);
+  const CellFn cell = [this, &run, &sums, &owned, &accumulators, &accumulator_locks, &needed,
+                       &wants_input, &wants_external, inputs,
                        keep_graph](int64_t j, const Action& action, Payload in,
                                    const char*& phase) {
     Stage& stage = *stages_[static_cast<size_t>(j)];
@@ -406,17 +421,20 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     }
     const auto& outside = c.cut.externals;
     std::vector<int64_t> ids(outside.size());
-    std::vector<bool> wanted(outside.size());
+    std::vector<ExternalSink> sinks(outside.size());
     for (size_t e = 0; e < outside.size(); ++e) {
       ids[e] = run.externals.find(outside[e]);
       TORCH_CHECK(ids[e] >= 0, "stage ", j, "'s recompute of micro-batch ", i,
                   " reached a tensor its first forward did not (", outside[e].function->name(),
                   "): the layers must build the same graph when run again on the same input");
-      wanted[e] = needed[inputs + static_cast<size_t>(ids[e])];
+      const auto id = static_cast<size_t>(ids[e]);
+      sinks[e].wanted = needed[inputs + id];
+      sinks[e].accumulate = accumulators[id];
+      sinks[e].lock = &accumulator_locks[id];
     }
     Span span(tracer_, run.step, j, i, TracePhase::Backward, stage.lane().compute);
     std::vector<at::Tensor> external_grads;
-    Batch dx = stage.backward(c, dy, keep_graph, wanted_inputs, wanted, external_grads);
+    Batch dx = stage.backward(c, dy, keep_graph, wanted_inputs, sinks, external_grads);
     for (size_t e = 0; e < external_grads.size(); ++e) {
       auto& g = external_grads[e];
       if (!g.defined()) continue;

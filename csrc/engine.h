@@ -73,8 +73,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// (one per input value, then one per `run.externals` edge) autograd
   /// wants. Returns one grad per edge: the input grads, then each external
   /// edge's grad summed over micro-batches (undefined where not needed).
+  /// The external edges marked in `accumulate` lead to leaves' accumulators
+  /// that autograd would only add into: their grads go straight into the
+  /// leaves' `.grad`, micro-batch by micro-batch, and come back undefined.
   std::vector<at::Tensor> backward(PipeRun& run, const std::vector<at::Tensor>& grads,
-                                   bool keep_graph, const std::vector<bool>& needed);
+                                   bool keep_graph, const std::vector<bool>& needed,
+                                   const std::vector<bool>& accumulate);
 
   int64_t stages() const noexcept { return static_cast<int64_t>(stages_.size()); }
 

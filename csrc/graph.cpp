@@ -35,28 +35,30 @@ bool GraphWindow::contains(const Node& node) const {
          dynamic_cast<const torch::autograd::AccumulateGrad*>(&node) == nullptr;
 }
 
-namespace {
+Capture::Capture(const torch::autograd::InputMetadata& metadata) {
+  // The same shape, dtype and device as the input it stands in for, so
+  // autograd checks the grads arriving here as it would have there; the
+  // stream is the current one, the cell's (its backward runs there).
+  add_input_metadata(metadata.options(), metadata.shape_as_dim_vector(),
+                     metadata.is_tensor_subclass(), metadata.is_nested_tensor(),
+                     metadata.grad_dtype());
+}
 
-// Stands in for an outside node inside a cell's graph: the cell's backward
-// captures the grads arriving here. It never runs (a backward only captures
-// at it) and has no hooks.
-class Capture : public Node {
- public:
-  explicit Capture(const torch::autograd::InputMetadata& metadata) {
-    // The same shape, dtype and device as the input it stands in for, so
-    // autograd checks the grads arriving here as it would have there; the
-    // stream is the current one, the cell's (its backward runs there).
-    add_input_metadata(metadata.options(), metadata.shape_as_dim_vector(),
-                       metadata.is_tensor_subclass(), metadata.is_nested_tensor(),
-                       metadata.grad_dtype());
+torch::autograd::variable_list Capture::apply(torch::autograd::variable_list&& grads) {
+  at::Tensor& g = grads.at(0);
+  if (!g.defined()) return {};
+  if (accumulate != nullptr) {
+    // As AccumulateGrad does: steal the first grad, add the rest in place.
+    std::lock_guard<std::mutex> hold(*lock);
+    at::Tensor& grad = accumulate->variable.mutable_grad();
+    torch::autograd::AccumulateGrad::accumulateGrad(
+        accumulate->variable, grad, g, /*num_expected_refs=*/1,
+        [&grad](at::Tensor&& update) { grad = std::move(update); });
+  } else if (into != nullptr) {
+    *into = into->defined() ? *into + g : std::move(g);
   }
-  torch::autograd::variable_list apply(torch::autograd::variable_list&& /*grads*/) override {
-    return {};
-  }
-  std::string name() const override { return "gpipe::Capture"; }
-};
-
-}  // namespace
+  return {};
+}
 
 Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& window,
                      const std::vector<at::Tensor>& leaves) {
@@ -81,6 +83,7 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
     if (numbers.size() != before) {
       cut.externals.push_back(edge);
       cut.captures.emplace_back();
+      cut.capture_nodes.emplace_back();
     }
     return e;
   };
@@ -88,7 +91,9 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
     auto& slot = cut.captures[static_cast<size_t>(e)];
     if (!slot.is_valid()) {
       const Edge& outside = cut.externals[static_cast<size_t>(e)];
-      slot = Edge(std::make_shared<Capture>(outside.function->input_metadata(outside.input_nr)), 0);
+      auto node = std::make_shared<Capture>(outside.function->input_metadata(outside.input_nr));
+      cut.capture_nodes[static_cast<size_t>(e)] = node;
+      slot = Edge(std::move(node), 0);
     }
     return slot;
   };

@@ -21,8 +21,12 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -44,6 +48,23 @@ class GraphWindow {
   uint64_t end_;
 };
 
+/// Stands in for an outside node inside a cell's graph (see `Cut`). When a
+/// backward runs it, it hands the grad arriving here to its sink: adds it
+/// into `into` (a sum the cell's backward reads), or into `accumulate`'s
+/// `.grad` under `lock`, as an AccumulateGrad without hooks would. It has no
+/// hooks of its own.
+class Capture : public torch::autograd::Node {
+ public:
+  explicit Capture(const torch::autograd::InputMetadata& metadata);
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
+  std::string name() const override { return "gpipe::Capture"; }
+
+  /// Where the next backward's grad goes; set by the cell's backward.
+  at::Tensor* into = nullptr;
+  torch::autograd::AccumulateGrad* accumulate = nullptr;
+  std::mutex* lock = nullptr;
+};
+
 /// A cell's graph, cut where it leaves the cell.
 struct Cut {
   /// The edges leaving the cell's graph, once each, in the order first
@@ -56,6 +77,8 @@ struct Cut {
   /// (parameter hooks fire once, when autograd hands the summed grad on).
   /// Invalid where only an output itself is the outside tensor.
   std::vector<torch::autograd::Edge> captures;
+  /// The capture nodes themselves (null where the edge is invalid).
+  std::vector<std::shared_ptr<Capture>> capture_nodes;
   /// For each output: the number of the external edge it is (the layers
   /// returned an outside tensor as it is), or -1.
   std::vector<int64_t> direct;

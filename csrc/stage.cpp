@@ -332,16 +332,14 @@ void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
 }
 
 Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
-                      const std::vector<bool>& wanted_inputs, const std::vector<bool>& wanted,
+                      const std::vector<bool>& wanted_inputs,
+                      const std::vector<ExternalSink>& sinks,
                       std::vector<at::Tensor>& external_grads) {
   TORCH_CHECK(grads.size() == cell.outputs.size(), "stage ", index_, " produced ",
               cell.outputs.size(), " outputs but received ", grads.size(), " grads");
   const Cut& cut = cell.cut;
-  TORCH_INTERNAL_ASSERT(wanted.size() == cut.externals.size());
+  TORCH_INTERNAL_ASSERT(sinks.size() == cut.externals.size());
   external_grads.assign(cut.externals.size(), at::Tensor());
-  auto add_to = [](at::Tensor& sum, at::Tensor g) {
-    sum = sum.defined() ? sum + g : std::move(g);
-  };
   torch::autograd::edge_list roots;
   variable_list root_grads;
   for (size_t k = 0; k < cell.outputs.size(); ++k) {
@@ -351,40 +349,71 @@ Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
     if (direct < 0) {
       roots.push_back(torch::autograd::impl::gradient_edge(out));
       root_grads.push_back(grads[k]);
-    } else if (wanted[static_cast<size_t>(direct)]) {
-      // The layers returned an outside tensor itself: its grad is this one.
-      add_to(external_grads[static_cast<size_t>(direct)], grads[k]);
+      continue;
+    }
+    // The layers returned an outside tensor itself: its grad is this one.
+    const auto& sink = sinks[static_cast<size_t>(direct)];
+    if (!sink.wanted) continue;
+    if (sink.accumulate != nullptr) {
+      Capture stand_in(sink.accumulate->input_metadata(0));
+      stand_in.accumulate = sink.accumulate;
+      stand_in.lock = sink.lock;
+      stand_in.apply({grads[k]});
+    } else {
+      auto& g = external_grads[static_cast<size_t>(direct)];
+      g = g.defined() ? g + grads[k] : grads[k];
     }
   }
-  // The grads are captured where they leave the cell: at its input leaves
-  // and at the capture nodes of the external edges asked for. Nothing is
-  // accumulated into any `.grad` here; PipeBackward hands the external
-  // grads to autograd.
+  // The grads leave the cell at its input leaves (accumulated into their
+  // .grad, read below) and at the capture nodes of the external edges asked
+  // for, which add them into .grad or into a sum as they arrive, so a
+  // parameter's grad lives no longer than in the plain model's backward.
   torch::autograd::edge_list targets;
-  std::vector<at::Tensor*> slots;
+  for (size_t k = 0; k < cell.leaves.size(); ++k) {
+    auto& leaf = cell.leaves[k];
+    if (!leaf.defined()) continue;
+    leaf.mutable_grad().reset();
+    if (k < wanted_inputs.size() && wanted_inputs[k]) {
+      targets.push_back(torch::autograd::impl::gradient_edge(leaf));
+    }
+  }
+  std::vector<at::Tensor> captured(cut.externals.size());
+  for (size_t e = 0; e < cut.externals.size(); ++e) {
+    const auto& node = cut.capture_nodes[e];
+    if (!node) continue;
+    node->into = &captured[e];
+    node->accumulate = sinks[e].accumulate;
+    node->lock = sinks[e].lock;
+    if (sinks[e].wanted) targets.push_back(cut.captures[e]);
+  }
+  struct Unhook {
+    const Cut& cut;
+    ~Unhook() {
+      for (const auto& node : cut.capture_nodes) {
+        if (node) node->into = nullptr, node->accumulate = nullptr, node->lock = nullptr;
+      }
+    }
+  } unhook{cut};
+  if (!roots.empty() && !targets.empty()) {
+    // accumulate_grad: the targets run (leaf accumulators, capture nodes)
+    // rather than being captured; nothing else outside the cell is reached.
+    torch::autograd::Engine::get_default_engine().execute(
+        roots, root_grads, /*keep_graph=*/keep_graph, /*create_graph=*/false,
+        /*accumulate_grad=*/true, targets);
+  }
   Batch result;
   result.atomic = cell.input_atomic;
-  result.values.assign(cell.leaves.size(), at::Tensor());
+  result.values.reserve(cell.leaves.size());
   for (size_t k = 0; k < cell.leaves.size(); ++k) {
-    if (!cell.leaves[k].defined() || k >= wanted_inputs.size() || !wanted_inputs[k]) continue;
-    targets.push_back(torch::autograd::impl::gradient_edge(cell.leaves[k]));
-    slots.push_back(&result.values[k]);
-  }
-  std::vector<at::Tensor> captured_grads(cut.externals.size());
-  for (size_t e = 0; e < cut.externals.size(); ++e) {
-    if (!wanted[e] || !cut.captures[e].is_valid()) continue;
-    targets.push_back(cut.captures[e]);
-    slots.push_back(&captured_grads[e]);
-  }
-  if (!roots.empty() && !targets.empty()) {
-    auto captured = torch::autograd::Engine::get_default_engine().execute(
-        roots, root_grads, /*keep_graph=*/keep_graph, /*create_graph=*/false,
-        /*accumulate_grad=*/false, targets);
-    TORCH_INTERNAL_ASSERT(captured.size() == slots.size());
-    for (size_t t = 0; t < slots.size(); ++t) *slots[t] = std::move(captured[t]);
+    const auto& leaf = cell.leaves[k];
+    const bool wanted = k < wanted_inputs.size() && wanted_inputs[k];
+    result.values.push_back(leaf.defined() && wanted ? leaf.grad() : at::Tensor());
   }
   for (size_t e = 0; e < cut.externals.size(); ++e) {
-    if (captured_grads[e].defined()) add_to(external_grads[e], std::move(captured_grads[e]));
+    auto& g = captured[e];
+    if (!g.defined()) continue;
+    auto& sum = external_grads[e];
+    sum = sum.defined() ? sum + g : std::move(g);
   }
 
   if (cell.checkpointed) {

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 namespace gpipe::detail {
@@ -25,6 +26,16 @@ class Layers {
   virtual ~Layers() = default;
   /// Runs the layers in order on `input` (already on the stage's device).
   virtual Batch forward(const Batch& input) = 0;
+};
+
+/// Where a cell's backward sends the grads of one external edge.
+struct ExternalSink {
+  /// Whether autograd asked for them at all.
+  bool wanted = false;
+  /// Non-null: straight into this leaf's `.grad` (under `lock`), micro-batch
+  /// by micro-batch, as a hook-free AccumulateGrad would; else returned.
+  torch::autograd::AccumulateGrad* accumulate = nullptr;
+  std::mutex* lock = nullptr;
 };
 
 /// What one (stage, micro-batch) cell keeps between its forward and its
@@ -86,14 +97,14 @@ class Stage {
 
   /// B(i) (after `recompute` for a checkpointed cell): back-propagates
   /// `grads` (one per output, undefined where none) through the stage and
-  /// returns the grads of the cell's inputs. `external_grads` receives, for
-  /// each of `cell.cut.externals` with `wanted` set, the grad flowing into it
-  /// (undefined where none); nothing accumulates into any `.grad`. Input
-  /// grads are computed where `wanted_inputs` says so (one flag per input
-  /// value), so autograd runs only the parts of the graph it must.
+  /// returns the grads of the cell's inputs. For each of
+  /// `cell.cut.externals`, `sinks` says where its grad goes: into a leaf's
+  /// `.grad`, or into `external_grads` (undefined where none or unwanted).
+  /// Input grads are computed where `wanted_inputs` says so (one flag per
+  /// input value), so autograd runs only the parts of the graph it must.
   /// `keep_graph` keeps the cell usable for another backward.
   Batch backward(Cell& cell, const Batch& grads, bool keep_graph,
-                 const std::vector<bool>& wanted_inputs, const std::vector<bool>& wanted,
+                 const std::vector<bool>& wanted_inputs, const std::vector<ExternalSink>& sinks,
                  std::vector<at::Tensor>& external_grads);
 
  private:
