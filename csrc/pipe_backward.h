@@ -7,13 +7,17 @@
 // the only link between them. It has one edge per input tensor (empty where
 // the input needs no grad), then one edge per outside tensor the cells reach
 // (parameters' accumulators, tied weights, closures), and is the grad_fn of
-// every output that needs grad. It returns each parameter's grad summed over
-// micro-batches, and computes only the edges autograd asks for, so
-// `backward`, `backward(inputs=...)`, `autograd::grad` and parameter hooks
-// behave as with the plain model:
+// every output that needs grad. It computes only the edges autograd asks
+// for, so `backward`, `backward(inputs=...)`, `autograd::grad` and parameter
+// hooks behave as with the plain model. Where autograd would only add an
+// edge's grad into a leaf's .grad (no hooks, not autograd::grad), the stages
+// add each micro-batch's grad there themselves as it arrives and the edge's
+// output is undefined; otherwise the node returns the grad summed over
+// micro-batches:
 //
-//   loss.backward():   PipeBackward -> AccumulateGrad(0.weight) -> .grad
-//   grad(out, {x}):    PipeBackward -> x only; no .grad is touched
+//   loss.backward():     cells -> 0.weight.grad += g(i), as each arrives
+//   hooked parameter:    PipeBackward -> sum of g(i) -> AccumulateGrad (hook once)
+//   grad(out, {x}):      PipeBackward -> x only; no .grad is touched
 #pragma once
 
 #include <torch/csrc/autograd/function.h>
