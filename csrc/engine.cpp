@@ -248,13 +248,7 @@ Batch Engine::forward(const Batch& input, bool training) {
   bool any = false;
   for (bool f : output_requires_grad) any = any || f;
   if (!graph || !any) return out;
-  if (m > 1) {
-    for (const auto& t : input.values) {
-      if (!t.defined()) continue;
-      run->input_counters.push_back(t.unsafeGetTensorImpl()->version_counter());
-      run->input_versions.push_back(run->input_counters.back().current_version());
-    }
-  }
+  if (m > 1) run->input_watch.watch(input);
 
   // Wire the outputs to one PipeBackward node whose edges lead to the inputs
   // and to every outside tensor some cell reached, in stage and micro-batch
@@ -262,13 +256,18 @@ Batch Engine::forward(const Batch& input, bool training) {
   // graph, so autograd neither runs the backward for it nor waits for it:
   // grads reach stage j only when every later stage's graphs reach their
   // inputs.
+  run->reaches_input.assign(static_cast<size_t>(k), false);
+  for (int64_t j = 0; j < k; ++j) {
+    for (const auto& c : run->cells[static_cast<size_t>(j)]) {
+      for (bool reached : c.cut.reached) {
+        if (reached) run->reaches_input[static_cast<size_t>(j)] = true;
+      }
+    }
+  }
   std::vector<bool> connected(static_cast<size_t>(k), true);
   for (int64_t j = k - 2; j >= 0; --j) {
-    bool next_reaches_input = false;
-    for (const auto& c : run->cells[static_cast<size_t>(j + 1)]) {
-      for (bool reached : c.cut.reached) next_reaches_input = next_reaches_input || reached;
-    }
-    connected[static_cast<size_t>(j)] = connected[static_cast<size_t>(j + 1)] && next_reaches_input;
+    connected[static_cast<size_t>(j)] =
+        connected[static_cast<size_t>(j + 1)] && run->reaches_input[static_cast<size_t>(j + 1)];
   }
   for (int64_t j = 0; j < k; ++j) {
     if (!connected[static_cast<size_t>(j)]) continue;
@@ -301,14 +300,7 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
                                          bool keep_graph, const std::vector<bool>& needed,
                                          const std::vector<bool>& accumulate) {
   Call call(*this, "backward");
-  for (size_t v = 0; v < run.input_counters.size(); ++v) {
-    const uint32_t now = run.input_counters[v].current_version();
-    TORCH_CHECK(now == run.input_versions[v],
-                "one of the variables needed for gradient computation has been modified by an "
-                "inplace operation: an input of the Pipe is at version ", now, "; expected version ",
-                run.input_versions[v], " instead. Don't change the Pipe's input in place between "
-                "forward and backward");
-  }
+  run.input_watch.check("an input of the Pipe");
   const int64_t m = run.microbatches;
   const int64_t k = stages();
   const size_t inputs = run.input_devices.size();
@@ -361,11 +353,7 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
   // A stage whose graphs reach no input passes no grad back: the stages
   // before it get none from it.
   for (size_t j = 0; j < static_cast<size_t>(k); ++j) {
-    bool reaches_input = false;
-    for (const auto& c : run.cells[j]) {
-      for (bool reached : c.cut.reached) reaches_input = reaches_input || reached;
-    }
-    wants_input[j] = wants_input[j] && reaches_input;
+    wants_input[j] = wants_input[j] && run.reaches_input[j];
   }
 
   // Each stage sums its cells' grads for the external edges on its own

@@ -43,10 +43,11 @@ struct PipeRun {
   /// The device of each input value: its grad goes back there.
   std::vector<c10::Device> input_devices;
   /// With several micro-batches (each with a version counter of its own):
-  /// the caller's input tensors' counters and versions after the forward.
-  /// The backward refuses to run when one changed (autograd's check).
-  std::vector<c10::VariableVersion> input_counters;
-  std::vector<uint32_t> input_versions;
+  /// the caller's input tensors, watched from the end of the forward.
+  VersionWatch input_watch;
+  /// Per stage: whether some cell's graph reaches the stage's input, i.e.
+  /// whether the stage passes any grad back.
+  std::vector<bool> reaches_input;
   /// For each output value, the PipeBackward input slot of its grad (-1:
   /// not differentiable, no grad).
   std::vector<int64_t> output_slot;

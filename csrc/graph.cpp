@@ -44,16 +44,20 @@ Capture::Capture(const torch::autograd::InputMetadata& metadata) {
                      metadata.grad_dtype());
 }
 
+void accumulate_into(torch::autograd::AccumulateGrad& accumulator, std::mutex& lock,
+                     const at::Tensor& grad) {
+  std::lock_guard<std::mutex> hold(lock);
+  at::Tensor& sum = accumulator.variable.mutable_grad();
+  torch::autograd::AccumulateGrad::accumulateGrad(
+      accumulator.variable, sum, grad, /*num_expected_refs=*/1,
+      [&sum](at::Tensor&& update) { sum = std::move(update); });
+}
+
 torch::autograd::variable_list Capture::apply(torch::autograd::variable_list&& grads) {
   at::Tensor& g = grads.at(0);
   if (!g.defined()) return {};
   if (accumulate != nullptr) {
-    // As AccumulateGrad does: steal the first grad, add the rest in place.
-    std::lock_guard<std::mutex> hold(*lock);
-    at::Tensor& grad = accumulate->variable.mutable_grad();
-    torch::autograd::AccumulateGrad::accumulateGrad(
-        accumulate->variable, grad, g, /*num_expected_refs=*/1,
-        [&grad](at::Tensor&& update) { grad = std::move(update); });
+    accumulate_into(*accumulate, *lock, g);
   } else if (into != nullptr) {
     *into = into->defined() ? *into + g : std::move(g);
   }

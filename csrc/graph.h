@@ -48,6 +48,12 @@ class GraphWindow {
   uint64_t end_;
 };
 
+/// Adds `grad` into `accumulator`'s leaf's `.grad` under `lock`, as a
+/// hook-free AccumulateGrad would: the first grad is stolen, the rest added
+/// in place.
+void accumulate_into(torch::autograd::AccumulateGrad& accumulator, std::mutex& lock,
+                     const at::Tensor& grad);
+
 /// Stands in for an outside node inside a cell's graph (see `Cut`). When a
 /// backward runs it, it hands the grad arriving here to its sink: adds it
 /// into `into` (a sum the cell's backward reads), or into `accumulate`'s

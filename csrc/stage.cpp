@@ -23,9 +23,13 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// mutates_input_: whether the layers modify their input in place.
 constexpr int kUnknown = 0;
 constexpr int kMutates = 1;
 constexpr int kKeeps = 2;
+// draws_[g]: whether the stage's checkpointed cells draw from generator g.
+constexpr int kDraws = 1;
+constexpr int kDrawsNot = 2;
 
 // The stage-boundary identity. A stage's first layer may modify its input in
 // place (ReLU(inplace=true)); autograd refuses that on a leaf requiring grad,
@@ -184,7 +188,7 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
     saved_copy = mutates_input_.load() != kKeeps;
     cell.saved = saved_copy ? cloned(input) : input;
     for (size_t g = 0; g < gens; ++g) {
-      verify_only[g] = draws_[g].load() == kKeeps;
+      verify_only[g] = draws_[g].load() == kDrawsNot;
       if (verify_only[g]) {
         locks.shared(generators_[g]);
       } else {
@@ -215,15 +219,7 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
   const bool mutated = versions(input) != versions_before;
   int expected = kUnknown;
   const bool learned = mutates_input_.compare_exchange_strong(expected, mutated ? kMutates : kKeeps);
-  cell.input_counters.clear();
-  cell.input_versions.clear();
-  auto watch = [&cell](const Batch& batch) {
-    for (const auto& t : batch.values) {
-      if (!t.defined()) continue;
-      cell.input_counters.push_back(t.unsafeGetTensorImpl()->version_counter());
-      cell.input_versions.push_back(cell.input_counters.back().current_version());
-    }
-  };
+  cell.input_watch.clear();
   auto keep_graph = [&] {
     cell.checkpointed = false;
     cell.saved = Batch();
@@ -246,19 +242,16 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
   cell.rng_before.assign(gens, at::Tensor());
   for (size_t g = 0; g < gens; ++g) {
     const bool drew = !same_state(before[g], get_state(generators_[g]));
-    if (!drew) continue;
     if (verify_only[g]) {
-      replayable = false;
-      draws_[g].store(kMutates);
-    } else {
-      cell.rng_before[g] = std::move(before[g]);
+      if (drew) {
+        replayable = false;
+        draws_[g].store(kDraws);
+      }
+      continue;
     }
+    if (drew) cell.rng_before[g] = std::move(before[g]);
     int unknown = kUnknown;
-    draws_[g].compare_exchange_strong(unknown, kMutates);
-  }
-  for (size_t g = 0; g < gens; ++g) {
-    int unknown = kUnknown;
-    if (!verify_only[g]) draws_[g].compare_exchange_strong(unknown, kKeeps);
+    draws_[g].compare_exchange_strong(unknown, drew ? kDraws : kDrawsNot);
   }
   if (!replayable) return keep_graph();
 
@@ -278,23 +271,36 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
   // backward, as autograd watches what the plain model saved (even where the
   // first cell saved a copy: the plain model would not have). A stage that
   // changes its input itself recomputes from a copy and needs no watch.
-  if (!mutated) watch(input);
+  if (!mutated) cell.input_watch.watch(input);
   return leaving;  // `out` and `entry` go: the graph is freed here
 }
 
-void Stage::check_watched(const Cell& cell) const {
-  for (size_t k = 0; k < cell.input_counters.size(); ++k) {
-    const uint32_t now = cell.input_counters[k].current_version();
-    TORCH_CHECK(now == cell.input_versions[k],
+void VersionWatch::watch(const Batch& batch) {
+  for (const auto& t : batch.values) {
+    if (!t.defined()) continue;
+    counters_.push_back(t.unsafeGetTensorImpl()->version_counter());
+    versions_.push_back(counters_.back().current_version());
+  }
+}
+
+void VersionWatch::clear() {
+  counters_.clear();
+  versions_.clear();
+}
+
+void VersionWatch::check(const std::string& what) const {
+  for (size_t k = 0; k < counters_.size(); ++k) {
+    const uint32_t now = counters_[k].current_version();
+    TORCH_CHECK(now == versions_[k],
                 "one of the variables needed for gradient computation has been modified by an "
-                "inplace operation: the input of stage ", index_, " is at version ", now,
-                "; expected version ", cell.input_versions[k],
+                "inplace operation: ", what, " is at version ", now, "; expected version ",
+                versions_[k],
                 " instead. Don't change the Pipe's input in place between forward and backward");
   }
 }
 
 void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
-  check_watched(cell);
+  cell.input_watch.check("the input of stage " + std::to_string(index_));
   RngLocks locks;
   std::vector<at::Tensor> live(generators_.size());
   for (size_t g = 0; g < generators_.size(); ++g) {
@@ -355,10 +361,7 @@ Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
     const auto& sink = sinks[static_cast<size_t>(direct)];
     if (!sink.wanted) continue;
     if (sink.accumulate != nullptr) {
-      Capture stand_in(sink.accumulate->input_metadata(0));
-      stand_in.accumulate = sink.accumulate;
-      stand_in.lock = sink.lock;
-      stand_in.apply({grads[k]});
+      accumulate_into(*sink.accumulate, *sink.lock, grads[k]);
     } else {
       auto& g = external_grads[static_cast<size_t>(direct)];
       g = g.defined() ? g + grads[k] : grads[k];
@@ -377,11 +380,10 @@ Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
       targets.push_back(torch::autograd::impl::gradient_edge(leaf));
     }
   }
-  std::vector<at::Tensor> captured(cut.externals.size());
   for (size_t e = 0; e < cut.externals.size(); ++e) {
     const auto& node = cut.capture_nodes[e];
     if (!node) continue;
-    node->into = &captured[e];
+    node->into = &external_grads[e];
     node->accumulate = sinks[e].accumulate;
     node->lock = sinks[e].lock;
     if (sinks[e].wanted) targets.push_back(cut.captures[e]);
@@ -409,13 +411,6 @@ Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
     const bool wanted = k < wanted_inputs.size() && wanted_inputs[k];
     result.values.push_back(leaf.defined() && wanted ? leaf.grad() : at::Tensor());
   }
-  for (size_t e = 0; e < cut.externals.size(); ++e) {
-    auto& g = captured[e];
-    if (!g.defined()) continue;
-    auto& sum = external_grads[e];
-    sum = sum.defined() ? sum + g : std::move(g);
-  }
-
   if (cell.checkpointed) {
     // The recomputed graph is spent either way; the checkpoint stays for
     // another backward only when asked to.

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 namespace gpipe::detail {
@@ -26,6 +27,21 @@ class Layers {
   virtual ~Layers() = default;
   /// Runs the layers in order on `input` (already on the stage's device).
   virtual Batch forward(const Batch& input) = 0;
+};
+
+/// Tensors whose in-place change makes a later backward refuse, as
+/// autograd's saved-tensor check would for what the plain model saved.
+class VersionWatch {
+ public:
+  /// Watches every defined tensor of `batch` from its version now on.
+  void watch(const Batch& batch);
+  void clear();
+  /// Throws autograd's "modified by an inplace operation", naming `what`.
+  void check(const std::string& what) const;
+
+ private:
+  std::vector<c10::VariableVersion> counters_;
+  std::vector<uint32_t> versions_;
 };
 
 /// Where a cell's backward sends the grads of one external edge.
@@ -47,11 +63,9 @@ struct Cell {
   /// Checkpointed: the stage input to recompute from, and its grad flags.
   Batch saved;
   std::vector<bool> saved_requires_grad;
-  /// Checkpointed: the version counters of the input as handed in, and
-  /// their versions after the first forward. The recompute refuses to run
-  /// from an input changed in place since (autograd's saved-tensor check).
-  std::vector<c10::VariableVersion> input_counters;
-  std::vector<uint32_t> input_versions;
+  /// Checkpointed: the input as handed in, watched from the end of the
+  /// first forward; the recompute refuses to run from it once changed.
+  VersionWatch input_watch;
   /// Checkpointed: the state of each of the stage's generators before the
   /// first forward (undefined where the stage does not draw from it).
   std::vector<at::Tensor> rng_before;
@@ -108,9 +122,6 @@ class Stage {
                  std::vector<at::Tensor>& external_grads);
 
  private:
-  /// Refuses (autograd's error) when a watched tensor changed since forward.
-  void check_watched(const Cell& cell) const;
-
   int64_t index_;
   std::unique_ptr<Layers> layers_;
   Lane lane_;
@@ -119,7 +130,7 @@ class Stage {
   /// no): a checkpointed cell must then save a copy to recompute from.
   std::atomic<int> mutates_input_{0};
   /// Per generator: whether this stage's checkpointed cells draw from it
-  /// (0 unknown, 1 yes, 2 no), learned across calls; see stage.cpp.
+  /// (unknown, yes, no), learned across calls; see stage.cpp.
   std::array<std::atomic<int>, 2> draws_{};
 };
 
