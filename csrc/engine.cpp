@@ -6,8 +6,6 @@
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/add.h>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/zeros.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
@@ -42,29 +40,6 @@ int64_t checkpointed_microbatches(Checkpoint mode, int64_t microbatches) {
       return 0;
   }
   return 0;
-}
-
-// Concatenates per-micro-batch grads of one value; micro-batches that got no
-// grad contribute zeros. Undefined when no micro-batch got a grad.
-at::Tensor gather_grads(const std::vector<at::Tensor>& parts, const std::vector<int64_t>& rows) {
-  const at::Tensor* any = nullptr;
-  for (const auto& p : parts) {
-    if (p.defined()) any = &p;
-  }
-  if (any == nullptr) return at::Tensor();
-  if (parts.size() == 1) return parts.front();
-  std::vector<at::Tensor> filled;
-  filled.reserve(parts.size());
-  for (size_t i = 0; i < parts.size(); ++i) {
-    if (parts[i].defined()) {
-      filled.push_back(parts[i]);
-    } else {
-      auto sizes = any->sizes().vec();
-      sizes[0] = rows[i];
-      filled.push_back(at::zeros(sizes, any->options()));
-    }
-  }
-  return at::cat(filled, 0);
 }
 
 /// `receive`, recorded as a copy when it moves anything across devices.
@@ -107,6 +82,23 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
     stages_.push_back(
         std::make_unique<Stage>(static_cast<int64_t>(j), std::move(layers[j]), devices[j]));
   }
+}
+
+void Engine::set_batch_dims(BatchDims input, BatchDims output) {
+  TORCH_CHECK_VALUE(!input.empty(), "batch_dim is empty; give one entry for all input values "
+                    "(0 by default) or one per value");
+  if (output.empty()) {
+    std::optional<int64_t> dim = 0;
+    for (const auto& d : input) {
+      if (d) {
+        dim = d;
+        break;
+      }
+    }
+    output = {dim};
+  }
+  input_dims_ = std::move(input);
+  output_dims_ = std::move(output);
 }
 
 std::vector<const Lane*> Engine::lanes() const {
@@ -153,7 +145,8 @@ std::vector<Payload> Engine::execute(const Schedule& schedule, std::vector<Paylo
 
 Batch Engine::forward(const Batch& input, bool training) {
   Call call(*this, "forward");
-  std::vector<Batch> microbatches = scatter(input, chunks_);
+  Scattered scattered = scatter(input, chunks_, input_dims_);
+  std::vector<Batch>& microbatches = scattered.microbatches;
   const auto m = static_cast<int64_t>(microbatches.size());
   const int64_t k = stages();
 
@@ -167,7 +160,7 @@ Batch Engine::forward(const Batch& input, bool training) {
   run->engine = shared_from_this();
   run->microbatches = m;
   run->cells.assign(static_cast<size_t>(k), std::vector<Cell>(static_cast<size_t>(m)));
-  run->input_rows = rows_of(microbatches);
+  run->input_cuts = std::move(scattered.cuts);
   for (const auto& t : input.values) {
     run->input_devices.push_back(t.defined() ? t.device() : c10::Device(c10::kCPU));
   }
@@ -232,16 +225,18 @@ Batch Engine::forward(const Batch& input, bool training) {
   outputs.reserve(sinks.size());
   at::NoGradGuard plain;  // gathering is not part of any graph
   for (auto& p : sinks) outputs.push_back(settle(std::move(p)));
-  run->output_rows = rows_of(outputs);
+  Batch out = gather(outputs, output_dims_, &run->output_cuts);
   // An output value needs grad where the plain model's would: where the
-  // last stage's graph says so for some micro-batch.
-  std::vector<bool> output_requires_grad(outputs.empty() ? 0 : outputs.front().size(), false);
-  for (const auto& b : outputs) {
-    for (size_t v = 0; v < b.size() && v < output_requires_grad.size(); ++v) {
-      if (b[v].defined() && b[v].requires_grad()) output_requires_grad[v] = true;
+  // last stage's graph says so for some micro-batch it was joined from (a
+  // value not joined is micro-batch 0's).
+  std::vector<bool> output_requires_grad(out.size(), false);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    for (size_t v = 0; v < out.size(); ++v) {
+      const auto& t = outputs[i][v];
+      const bool joined = run->output_cuts[v].dim.has_value() || i == 0;
+      if (joined && t.defined() && t.requires_grad()) output_requires_grad[v] = true;
     }
   }
-  Batch out = gather(outputs);
   for (auto& t : out.values) {
     if (t.defined()) t = t.detach();
   }
@@ -319,13 +314,8 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     s.batch.atomic = all.atomic;
     s.ready = ready;
   }
-  for (const auto& g : all.values) {
-    std::vector<at::Tensor> pieces;
-    if (g.defined() && m > 1) {
-      pieces = g.split_with_sizes(run.output_rows, 0);
-    } else {
-      pieces.assign(static_cast<size_t>(m), g);
-    }
+  for (size_t v = 0; v < all.size(); ++v) {
+    const auto pieces = cut_grad(all[v], run.output_cuts[v], m);
     for (int64_t i = 0; i < m; ++i) {
       sources[static_cast<size_t>(i)].batch.values.push_back(pieces[static_cast<size_t>(i)]);
     }
@@ -486,7 +476,7 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     std::vector<at::Tensor> per_microbatch;
     per_microbatch.reserve(parts.size());
     for (const auto& p : parts) per_microbatch.push_back(p[v]);
-    at::Tensor grad = gather_grads(per_microbatch, run.input_rows);
+    at::Tensor grad = join_grads(per_microbatch, run.input_cuts[v]);
     // Autograd wants each input's grad on that input's device (a CPU batch
     // fed to CUDA stages). `settle` ordered the current streams after the
     // grads' producers, so a copy on them reads finished values.

@@ -37,9 +37,10 @@ struct PipeRun {
   /// (parameters and the like), numbered: PipeBackward's edges after the
   /// inputs' edges, in this order.
   EdgeIndex externals;
-  /// Rows of each micro-batch of the input and of the output.
-  std::vector<int64_t> input_rows;
-  std::vector<int64_t> output_rows;
+  /// How each input value was cut into micro-batches, and how each output
+  /// value was joined: their grads are joined and cut alike.
+  std::vector<ValueCut> input_cuts;
+  std::vector<ValueCut> output_cuts;
   /// The device of each input value: its grad goes back there.
   std::vector<c10::Device> input_devices;
   /// With several micro-batches (each with a version counter of its own):
@@ -83,6 +84,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   int64_t stages() const noexcept { return static_cast<int64_t>(stages_.size()); }
 
+  /// Where inputs are cut and outputs joined (see `scatter` and `gather`):
+  /// dim 0 of every value unless set. Set before the first run.
+  /// An empty `output` joins every output along `input`'s single entry, or
+  /// its first that is not `std::nullopt`.
+  void set_batch_dims(BatchDims input, BatchDims output);
+  /// How many micro-batches `input` makes.
+  int64_t microbatches(const Batch& input) const {
+    return static_cast<int64_t>(scatter(input, chunks_, input_dims_).microbatches.size());
+  }
+
   /// Called with a failed run's error before it is thrown; may throw
   /// something else instead (the Python bindings raise the layer's own
   /// Python exception). Set before the first run.
@@ -120,6 +131,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::atomic<std::thread::id> owner_{};
   Executor executor_;
   int64_t chunks_;
+  BatchDims input_dims_{0};
+  BatchDims output_dims_{0};
   Checkpoint checkpoint_;
   ErrorHook error_hook_;
   Tracer tracer_;

@@ -1,69 +1,199 @@
-// microbatch.cpp — scatter along dim 0 like at::chunk, gather by concatenation.
+// microbatch.cpp — scatter along each value's batch dim into near-equal pieces, gather by concatenation, grads alike.
 #include "microbatch.h"
 
+#include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
+
+#include <algorithm>
 
 namespace gpipe::detail {
 
-std::vector<Batch> scatter(const Batch& batch, int64_t chunks) {
-  TORCH_CHECK(chunks >= 1, "chunks must be at least 1, got ", chunks);
-  TORCH_CHECK(!batch.values.empty(), "the Pipe got no input tensors; pass at least one");
-  int64_t rows = -1;
-  for (size_t k = 0; k < batch.size(); ++k) {
-    const auto& t = batch[k];
-    TORCH_CHECK(t.defined(), "input ", k, " is an undefined tensor");
-    TORCH_CHECK(t.dim() >= 1, "input ", k,
-                " is 0-dimensional; the Pipe cuts inputs into micro-batches along dim 0, so each "
-                "needs a batch dimension");
-    if (rows < 0) rows = t.size(0);
-    TORCH_CHECK(t.size(0) == rows, "input ", k, " has ", t.size(0), " rows but input 0 has ", rows,
-                "; all inputs must share the batch dimension (dim 0)");
-  }
-  if (chunks == 1) return {batch};
-  TORCH_CHECK(rows > 0, "the batch is empty (0 rows); give the Pipe at least one row");
+namespace {
 
-  std::vector<std::vector<at::Tensor>> pieces;
-  for (const auto& t : batch.values) pieces.push_back(t.chunk(chunks, 0));
-  const size_t n = pieces.front().size();
-  std::vector<Batch> out(n);
-  for (size_t i = 0; i < n; ++i) {
-    out[i].atomic = batch.atomic;
-    for (auto& p : pieces) out[i].values.push_back(std::move(p[i]));
+// The entry of `dims` for value `v` of `count` (one entry serves them all).
+std::optional<int64_t> entry(const BatchDims& dims, size_t v, size_t count, const char* values,
+                             const char* option) {
+  TORCH_CHECK_VALUE(dims.size() == 1 || dims.size() == count, option, " has ", dims.size(),
+                    " entries but the ", values, " has ", count,
+                    " values; give one entry per value, or a single entry for all of them");
+  return dims.size() == 1 ? dims.front() : dims[v];
+}
+
+// `dim` as an index into `t`'s dimensions (a negative one counts from the end).
+int64_t resolved(int64_t dim, const at::Tensor& t, const char* option, const char* what,
+                 size_t v) {
+  const int64_t n = t.dim();
+  TORCH_CHECK_INDEX(dim >= -n && dim < n, option, " ", dim, " is out of range for ", what, " ", v,
+                    " of shape ", t.sizes(), " (", n, " dimensions); give a dim in [", -n, ", ", n,
+                    ") for it, or None (std::nullopt) to not cut it");
+  return dim < 0 ? dim + n : dim;
+}
+
+}  // namespace
+
+std::vector<int64_t> microbatch_sizes(int64_t rows, int64_t chunks) {
+  TORCH_CHECK_VALUE(chunks >= 1, "chunks must be at least 1, got ", chunks);
+  if (rows <= 0) return {0};
+  const int64_t n = std::min(rows, chunks);
+  std::vector<int64_t> sizes(static_cast<size_t>(n), rows / n);
+  for (int64_t i = 0; i < rows % n; ++i) ++sizes[static_cast<size_t>(i)];
+  return sizes;
+}
+
+Scattered scatter(const Batch& batch, int64_t chunks, const BatchDims& dims) {
+  TORCH_CHECK_VALUE(chunks >= 1, "chunks must be at least 1, got ", chunks);
+  TORCH_CHECK_VALUE(!batch.values.empty(), "the Pipe got no input tensors; pass at least one");
+  Scattered out;
+  out.cuts.resize(batch.size());
+  int64_t rows = -1;
+  size_t first = 0;
+  for (size_t v = 0; v < batch.size(); ++v) {
+    const auto& t = batch[v];
+    TORCH_CHECK_VALUE(t.defined(), "input ", v, " is an undefined tensor");
+    const auto dim = entry(dims, v, batch.size(), "input", "batch_dim");
+    if (!dim) continue;  // shared by every micro-batch
+    if (t.dim() == 0) {
+      TORCH_CHECK_VALUE(chunks == 1, "input ", v, " is 0-dimensional, so it has no batch "
+                        "dimension to cut into ", chunks, " micro-batches; mark it not cut "
+                        "(batch_dim entry None, std::nullopt in C++) or use chunks=1");
+      continue;
+    }
+    const int64_t d = resolved(*dim, t, "batch_dim", "input", v);
+    out.cuts[v].dim = d;
+    if (rows < 0) {
+      rows = t.size(d);
+      first = v;
+    }
+    TORCH_CHECK_VALUE(t.size(d) == rows, "input ", v, " has ", t.size(d), " rows along dim ", d,
+                      " but input ", first, " has ", rows, " along dim ", *out.cuts[first].dim,
+                      "; every cut input needs the same batch size (see batch_dim)");
+  }
+  const auto sizes = rows < 0 ? std::vector<int64_t>{} : microbatch_sizes(rows, chunks);
+  for (auto& cut : out.cuts) {
+    if (cut.dim) cut.sizes = sizes;
+  }
+  if (sizes.size() <= 1) {
+    out.microbatches.push_back(batch);
+    return out;
+  }
+  out.microbatches.resize(sizes.size());
+  for (auto& mb : out.microbatches) mb.atomic = batch.atomic;
+  for (size_t v = 0; v < batch.size(); ++v) {
+    if (!out.cuts[v].dim) {
+      for (auto& mb : out.microbatches) mb.values.push_back(batch[v]);
+      continue;
+    }
+    auto pieces = batch[v].split_with_sizes(sizes, *out.cuts[v].dim);
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      out.microbatches[i].values.push_back(std::move(pieces[i]));
+    }
   }
   return out;
 }
 
-Batch gather(const std::vector<Batch>& microbatches) {
+Batch gather(const std::vector<Batch>& microbatches, const BatchDims& dims,
+             std::vector<ValueCut>* cuts) {
   TORCH_INTERNAL_ASSERT(!microbatches.empty());
-  if (microbatches.size() == 1) return microbatches.front();
   const auto& first = microbatches.front();
+  const size_t n = first.size();
+  for (size_t i = 1; i < microbatches.size(); ++i) {
+    TORCH_CHECK(microbatches[i].size() == n, "micro-batch ", i, " produced ",
+                microbatches[i].size(), " outputs but micro-batch 0 produced ", n,
+                "; every micro-batch must give the same number of outputs");
+  }
+  std::vector<ValueCut> joined(n);
+  if (microbatches.size() == 1) {
+    for (size_t v = 0; v < n; ++v) {
+      const auto& t = first[v];
+      const auto dim = entry(dims, v, n, "output", "output_batch_dim");
+      if (!dim || !t.defined() || t.dim() == 0) continue;
+      joined[v].dim = resolved(*dim, t, "output_batch_dim", "output", v);
+      joined[v].sizes = {t.size(*joined[v].dim)};
+    }
+    if (cuts != nullptr) *cuts = std::move(joined);
+    return first;
+  }
   Batch out;
   out.atomic = first.atomic;
-  for (size_t k = 0; k < first.size(); ++k) {
+  for (size_t v = 0; v < n; ++v) {
+    const auto dim = entry(dims, v, n, "output", "output_batch_dim");
+    if (!dim) {
+      out.values.push_back(first[v]);
+      continue;
+    }
+    size_t defined = 0;
+    for (const auto& mb : microbatches) defined += mb[v].defined() ? 1 : 0;
+    if (defined == 0) {
+      out.values.emplace_back();
+      continue;
+    }
     std::vector<at::Tensor> parts;
     parts.reserve(microbatches.size());
     for (size_t i = 0; i < microbatches.size(); ++i) {
-      const auto& mb = microbatches[i];
-      TORCH_CHECK(mb.size() == first.size(), "micro-batch ", i, " produced ", mb.size(),
-                  " outputs but micro-batch 0 produced ", first.size());
-      const auto& t = mb[k];
-      TORCH_CHECK(t.defined() && t.dim() >= 1, "output ", k, " of micro-batch ", i,
-                  " has no batch dimension (", (t.defined() ? "0-dimensional" : "undefined"),
-                  "); with chunks > 1 the Pipe concatenates outputs along dim 0, so each output "
-                  "needs one");
+      const auto& t = microbatches[i][v];
+      TORCH_CHECK(t.defined(), "output ", v, " of micro-batch ", i,
+                  " is undefined but other micro-batches gave a tensor there");
+      TORCH_CHECK_VALUE(t.dim() >= 1, "output ", v, " of micro-batch ", i, " is 0-dimensional; "
+                        "with several micro-batches the Pipe joins each output along its batch "
+                        "dim (output_batch_dim), so it needs one. A per-batch reduction (a loss) "
+                        "belongs after the Pipe; otherwise mark the output not joined "
+                        "(output_batch_dim entry None: micro-batch 0's value is returned) or use "
+                        "chunks=1");
+      const int64_t d = resolved(*dim, t, "output_batch_dim", "output", v);
+      if (i == 0) joined[v].dim = d;
+      joined[v].sizes.push_back(t.size(d));
       parts.push_back(t);
     }
-    out.values.push_back(at::cat(parts, 0));
+    out.values.push_back(at::cat(parts, *joined[v].dim));
   }
+  if (cuts != nullptr) *cuts = std::move(joined);
   return out;
 }
 
-std::vector<int64_t> rows_of(const std::vector<Batch>& microbatches) {
-  std::vector<int64_t> rows;
-  rows.reserve(microbatches.size());
-  for (const auto& mb : microbatches) rows.push_back(mb.values.front().size(0));
-  return rows;
+std::vector<at::Tensor> cut_grad(const at::Tensor& grad, const ValueCut& cut,
+                                 int64_t microbatches) {
+  const auto m = static_cast<size_t>(microbatches);
+  if (m == 1) return {grad};
+  std::vector<at::Tensor> pieces(m);
+  if (!grad.defined()) return pieces;
+  if (!cut.dim) {
+    pieces.front() = grad;
+    return pieces;
+  }
+  TORCH_INTERNAL_ASSERT(cut.sizes.size() == m);
+  return grad.split_with_sizes(cut.sizes, *cut.dim);
+}
+
+at::Tensor join_grads(const std::vector<at::Tensor>& parts, const ValueCut& cut) {
+  const at::Tensor* any = nullptr;
+  for (const auto& p : parts) {
+    if (p.defined()) any = &p;
+  }
+  if (any == nullptr) return at::Tensor();
+  if (parts.size() == 1) return parts.front();
+  if (!cut.dim) {
+    // Every micro-batch used all of it: its grad is the sum of theirs.
+    at::Tensor sum;
+    for (const auto& p : parts) {
+      if (p.defined()) sum = sum.defined() ? at::add(sum, p) : p;
+    }
+    return sum;
+  }
+  TORCH_INTERNAL_ASSERT(cut.sizes.size() == parts.size());
+  std::vector<at::Tensor> filled;
+  filled.reserve(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (parts[i].defined()) {
+      filled.push_back(parts[i]);
+    } else {
+      auto sizes = any->sizes().vec();
+      sizes[static_cast<size_t>(*cut.dim)] = cut.sizes[i];
+      filled.push_back(at::zeros(sizes, any->options()));
+    }
+  }
+  return at::cat(filled, *cut.dim);
 }
 
 }  // namespace gpipe::detail

@@ -131,6 +131,7 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
   }
   engine_ = std::make_shared<detail::Engine>(std::move(parts), devices, options_.chunks(),
                                              options_.checkpoint());
+  engine_->set_batch_dims(options_.batch_dim(), options_.output_batch_dim());
   engine_->tracer().enable(options_.trace());
 }
 
@@ -139,13 +140,17 @@ PipeImpl::~PipeImpl() = default;
 torch::Tensor PipeImpl::forward(const torch::Tensor& input) {
   auto out = engine_->forward(detail::Batch(input), is_training());
   TORCH_CHECK(out.atomic && out.size() == 1, "the Pipe's last layer returned ", out.size(),
-              " tensors; call forward(std::vector<torch::Tensor>) to get them all");
+              " tensors; call forward_tuple to get them all");
   return out[0];
 }
 
-std::vector<torch::Tensor> PipeImpl::forward(std::vector<torch::Tensor> inputs) {
+std::vector<torch::Tensor> PipeImpl::forward_tuple(std::vector<torch::Tensor> inputs) {
   return engine_->forward(detail::Batch(std::move(inputs), /*is_atomic=*/false), is_training())
       .values;
+}
+
+std::vector<torch::Tensor> PipeImpl::forward_tuple(const torch::Tensor& input) {
+  return engine_->forward(detail::Batch(input), is_training()).values;
 }
 
 void PipeImpl::set_tracing(bool on) {
@@ -178,7 +183,21 @@ void PipeImpl::to(torch::Device device, bool /*non_blocking*/) {
 
 void PipeImpl::pretty_print(std::ostream& stream) const {
   stream << "gpipe::Pipe(balance=" << listed(balance()) << ", devices=" << listed(devices())
-         << ", chunks=" << chunks() << ", checkpoint=" << checkpoint() << ")";
+         << ", chunks=" << chunks() << ", checkpoint=" << checkpoint();
+  const auto& dims = options_.batch_dim();
+  if (!(dims.size() == 1 && dims.front() == 0)) {
+    stream << ", batch_dim={";
+    for (size_t v = 0; v < dims.size(); ++v) {
+      stream << (v ? ", " : "");
+      if (dims[v]) {
+        stream << *dims[v];
+      } else {
+        stream << "nullopt";
+      }
+    }
+    stream << "}";
+  }
+  stream << ")";
 }
 
 }  // namespace gpipe

@@ -84,6 +84,14 @@ class PyEngine {
     return to_python(out);
   }
 
+  void set_batch_dims(detail::BatchDims input, detail::BatchDims output) {
+    engine_->set_batch_dims(std::move(input), std::move(output));
+  }
+
+  int64_t microbatches(py::handle input) {
+    return engine_->microbatches(to_batch(input, "input"));
+  }
+
   detail::Tracer& tracer() { return engine_->tracer(); }
 
  private:
@@ -125,6 +133,11 @@ chunks: micro-batches per mini-batch; checkpoint: 'always', 'except_last' or 'ne
       .def("forward", &PyEngine::forward, py::arg("input"), py::arg("training"),
            R"doc(Runs a tensor or a tuple of tensors through the pipeline; under grad mode
 the outputs' grad_fn runs the backward half when backward() reaches it.)doc")
+      .def("set_batch_dims", &PyEngine::set_batch_dims, py::arg("input"), py::arg("output"),
+           R"doc(Where inputs are cut and outputs joined: one entry for every value or
+one per value, None for a value not cut; an empty output list follows input.)doc")
+      .def("microbatches", &PyEngine::microbatches, py::arg("input"),
+           "How many micro-batches the input makes.")
       .def_property(
           "tracing", [](PyEngine& e) { return e.tracer().enabled(); },
           [](PyEngine& e, bool on) { e.tracer().enable(on); },

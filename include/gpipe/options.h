@@ -6,6 +6,7 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -45,8 +46,35 @@ struct PipeOptions {
   TORCH_ARG(std::vector<c10::Device>, devices) = {};
   /// A sample mini-batch to balance by time when `balance` is empty.
   TORCH_ARG(at::Tensor, sample) = {};
-  /// Micro-batches per mini-batch. At least 1.
+  /// Micro-batches per mini-batch. At least 1. A batch of `rows` rows is cut
+  /// into `chunks` pieces whose sizes differ by at most one, the larger
+  /// first (17 rows, chunks 16: 2, then fifteen 1s); into `rows` pieces of
+  /// one row when it has fewer rows; a 0-row batch is one empty piece.
   TORCH_ARG(int64_t, chunks) = 1;
+  /// Where the batch dimension lies in the input: **dim 0 by default**.
+  /// One entry serves every input value, otherwise one entry per value of
+  /// `forward_tuple`'s input; a negative dim counts from the end;
+  /// `std::nullopt` marks a value that is not cut: every micro-batch gets
+  /// all of it (a shared mask, a lookup table) and its grad is summed over
+  /// them. A sequence-first model (`[seq, batch, features]`) takes
+  /// `batch_dim(1)`; with a shared mask, `batch_dim({1, std::nullopt})`.
+  TORCH_ARG(std::vector<std::optional<int64_t>>, batch_dim) = {0};
+
+ public:
+  /// The batch dim of one value for all values: `batch_dim(1)`.
+  PipeOptions& batch_dim(int64_t dim) { return batch_dim(std::vector<std::optional<int64_t>>{dim}); }
+  /// Where the micro-batches' outputs are joined, entries as in
+  /// `batch_dim`; `std::nullopt` marks an output returned from micro-batch 0
+  /// alone (one that does not depend on the cut inputs, e.g. a mask passed
+  /// on). Empty (the default): `batch_dim`'s entry when it has one, else its
+  /// first dim that is not `std::nullopt`, for every output.
+  TORCH_ARG(std::vector<std::optional<int64_t>>, output_batch_dim) = {};
+
+ public:
+  /// The output batch dim of one value for all values.
+  PipeOptions& output_batch_dim(int64_t dim) {
+    return output_batch_dim(std::vector<std::optional<int64_t>>{dim});
+  }
   /// Which micro-batches are checkpointed in training.
   TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::ExceptLast;
   /// Record every cell from the start (see `PipeImpl::trace`); tracing can

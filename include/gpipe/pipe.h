@@ -61,13 +61,21 @@ class PipeImpl : public torch::nn::Module {
   ~PipeImpl() override;
 
   /// Runs `input` through the pipeline; the result lives on the last stage's
-  /// device. The last layer must return one tensor.
+  /// device. The batch is cut along `PipeOptions::batch_dim` (dim 0 by
+  /// default) and the outputs joined along `output_batch_dim`. The last
+  /// layer must return one tensor. The only `forward`, so a Pipe fits in a
+  /// `torch::nn::AnyModule` or a `Sequential` (e.g. between an embedding and
+  /// a head).
   torch::Tensor forward(const torch::Tensor& input);
   /// Several tensors flowing between stages: the first layer receives
   /// `std::vector<torch::Tensor>`, and each stage's last layer returns a
-  /// `torch::Tensor` or a `std::vector<torch::Tensor>`. All inputs share the
-  /// batch dimension (dim 0), which is cut into micro-batches.
-  std::vector<torch::Tensor> forward(std::vector<torch::Tensor> inputs);
+  /// `torch::Tensor` or a `std::vector<torch::Tensor>`. Each value is cut
+  /// along its entry of `PipeOptions::batch_dim` (dim 0 by default), and all
+  /// cut values must have the same batch size there.
+  std::vector<torch::Tensor> forward_tuple(std::vector<torch::Tensor> inputs);
+  /// One tensor in (the first layer receives a `torch::Tensor`), every
+  /// output back: for a last layer returning `std::vector<torch::Tensor>`.
+  std::vector<torch::Tensor> forward_tuple(const torch::Tensor& input);
 
   /// Number of layers.
   size_t size() const noexcept;

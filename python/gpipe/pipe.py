@@ -1,5 +1,5 @@
 """The Pipe module: an nn.Sequential run as a GPipe pipeline by the C++ engine."""
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +39,30 @@ def _check_distinct(module: nn.Sequential) -> None:
         seen[id(layer)] = i
 
 
+BatchDim = Union[int, Sequence[Optional[int]]]
+
+
+def _batch_dims(value: Any, name: str) -> List[Optional[int]]:
+    """``value`` as the engine's list: one entry for every value, or one per value."""
+    def one(entry: Any) -> Optional[int]:
+        if entry is None:
+            return None
+        if isinstance(entry, bool) or not isinstance(entry, int):
+            raise TypeError(f"{name} entries must be ints (a dim, negative counts from the end) "
+                            f"or None (a value not cut), got {entry!r}")
+        return int(entry)
+
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"{name} is empty; give one int for every value (0 by default) or "
+                             f"one entry per value")
+        return [one(e) for e in value]
+    if value is None:
+        raise TypeError(f"{name}=None would cut nothing; give None inside a list for a value "
+                        f"that is not cut, e.g. {name}=[0, None]")
+    return [one(value)]
+
+
 def _check_input(input: Any) -> None:
     if isinstance(input, tuple):
         for i, x in enumerate(input):
@@ -53,6 +77,28 @@ def _check_input(input: Any) -> None:
                         f"{type(input).__name__}")
 
 
+class _NoStages:
+    """The engine of a Pipe over an empty Sequential: the identity, as nn.Sequential()."""
+
+    def __init__(self) -> None:
+        self.tracing = False
+
+    def set_batch_dims(self, input: List[Optional[int]], output: List[Optional[int]]) -> None:
+        pass
+
+    def microbatches(self, input: TensorOrTensors) -> int:
+        return 1
+
+    def forward(self, input: TensorOrTensors, training: bool) -> TensorOrTensors:
+        return input
+
+    def trace(self) -> "_C.Trace":
+        return _C.Trace()
+
+    def clear_trace(self) -> None:
+        pass
+
+
 class Pipe(nn.Module):
     """Wraps an ``nn.Sequential`` to train it with GPipe pipeline parallelism.
 
@@ -64,7 +110,11 @@ class Pipe(nn.Module):
     would; every tensor a layer uses that requires grad (parameters, tied
     weights, closures) gets its grad, summed over micro-batches, once per
     backward; ``torch.autograd.grad`` and ``backward(inputs=...)`` fill no
-    other ``.grad``. Inputs are cut along dim 0.
+    other ``.grad``.
+
+    **Inputs are cut along dim 0 by default** and outputs joined along dim 0;
+    a sequence-first model (``[seq, batch, features]``, e.g. PyTorch's
+    Transformer layers without ``batch_first=True``) needs ``batch_dim=1``.
 
     One forward or backward runs at a time: calls from several threads wait
     for each other. A Pipe inside another Pipe's layer is refused.
@@ -78,7 +128,23 @@ class Pipe(nn.Module):
             by time or memory).
         devices: one device per stage (extra ones are dropped). Default: all
             CUDA devices, or the CPU for every stage when there is no CUDA.
-        chunks: micro-batches per mini-batch (default 1).
+        chunks: micro-batches per mini-batch (default 1). A batch of ``rows``
+            rows is cut into ``chunks`` pieces whose sizes differ by at most
+            one, the larger first (17 rows, ``chunks=16``: 2, then fifteen
+            1s, as ``torch.tensor_split``); into ``rows`` one-row pieces when
+            there are fewer rows; a 0-row batch is one empty micro-batch.
+        batch_dim: where the batch dimension lies: an int for every input
+            value (**0 by default**; negative counts from the end), or one
+            entry per value of a tuple input, where ``None`` marks a value
+            that is not cut: every micro-batch gets all of it (a shared mask,
+            a lookup table) and its grad is summed over them.
+        output_batch_dim: where the micro-batches' outputs are joined,
+            entries as in ``batch_dim``; a ``None`` entry returns micro-batch
+            0's value (for an output that does not depend on the cut inputs,
+            such as a mask passed on). Default: ``batch_dim`` when it is an
+            int, else its first entry that is not ``None``. Each output keeps
+            its own size along that dim, so outputs may have other row
+            counts than the input.
         checkpoint: ``'always'``, ``'except_last'`` (default) or ``'never'``:
             which micro-batches keep only their stage inputs in forward and
             recompute the rest before their backward.
@@ -99,6 +165,11 @@ class Pipe(nn.Module):
         pipe = gpipe.Pipe(model, balance=[2, 1], chunks=4)
         loss = pipe(x).pow(2).mean()
         loss.backward()
+
+        # Sequence-first layers ([seq, batch, features]) are cut along dim 1:
+        model = nn.Sequential(nn.TransformerEncoderLayer(16, 4),
+                              nn.TransformerEncoderLayer(16, 4))
+        pipe = gpipe.Pipe(model, balance=[1, 1], chunks=4, batch_dim=1)
     """
 
     #: Layers per stage.
@@ -112,7 +183,8 @@ class Pipe(nn.Module):
 
     def __init__(self, module: nn.Sequential, balance: Optional[Iterable[int]] = None, *,
                  devices: Optional[Iterable[Device]] = None, chunks: int = 1,
-                 checkpoint: str = "except_last", deferred_batch_norm: bool = False,
+                 checkpoint: str = "except_last", batch_dim: BatchDim = 0,
+                 output_batch_dim: Optional[BatchDim] = None, deferred_batch_norm: bool = False,
                  trace: bool = False) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -124,7 +196,14 @@ class Pipe(nn.Module):
         if checkpoint not in _CHECKPOINT_MODES:
             raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', "
                              f"got {checkpoint!r}")
-        if balance is None:
+        input_dims = _batch_dims(batch_dim, "batch_dim")
+        output_dims = [] if output_batch_dim is None else _batch_dims(output_batch_dim,
+                                                                      "output_batch_dim")
+        if len(module) == 0:
+            # nn.Sequential() is the identity; so is its Pipe (torchgpipe's too).
+            balance = [] if balance is None else balance
+            devices = [] if devices is None else devices
+        elif balance is None:
             # One stage per device given (or per CUDA device), by parameter count.
             if devices is None and torch.cuda.is_available():
                 devices = range(torch.cuda.device_count())
@@ -157,6 +236,9 @@ class Pipe(nn.Module):
         self.devices = devices
         self.chunks = chunks
         self.checkpoint = checkpoint
+        #: Where inputs are cut and outputs joined (see the class docstring).
+        self.batch_dim = batch_dim
+        self.output_batch_dim = output_batch_dim
 
         # The Sequential's own names: state_dict() keys read "0.weight".
         for name, layer in module.named_children():
@@ -172,7 +254,9 @@ class Pipe(nn.Module):
             offset += n
         self._layers = layers
         self._deferred = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
-        self._engine = _C.Engine(partitions, devices, chunks, checkpoint)
+        self._engine = (_C.Engine(partitions, devices, chunks, checkpoint) if partitions
+                        else _NoStages())
+        self._engine.set_batch_dims(input_dims, output_dims)
         self._engine.tracing = bool(trace)
 
     @property
@@ -258,15 +342,19 @@ class Pipe(nn.Module):
         last stage's device."""
         _check_input(input)
         if self._deferred and self.training:
-            first = input[0] if isinstance(input, tuple) else input
-            microbatches = len(first.chunk(self.chunks)) if first.dim() > 0 else 1
+            microbatches = self._engine.microbatches(input)
             for bn in self._deferred:
                 bn.begin(microbatches)
         return self._engine.forward(input, self.training)
 
     def extra_repr(self) -> str:
-        return (f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "
+        text = (f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "
                 f"chunks={self.chunks}, checkpoint={self.checkpoint!r}")
+        if self.batch_dim != 0:
+            text += f", batch_dim={self.batch_dim!r}"
+        if self.output_batch_dim is not None:
+            text += f", output_batch_dim={self.output_batch_dim!r}"
+        return text
 
 
 #: torchgpipe's name for the same class.

@@ -1,8 +1,8 @@
 // models.h — small float64 models, instrumented layers and comparison helpers for the Pipe contract tests.
 //
 // Micro-batch markers: `marked_input` writes, in column 0 of every row, the
-// index of the micro-batch the Pipe will put that row in (it cuts like
-// at::chunk). Layers that must know which micro-batch they see read it back
+// index of the micro-batch the Pipe will put that row in (pieces whose sizes
+// differ by at most one, the larger first). Layers that must know which micro-batch they see read it back
 // with `marker_of`, and `MarkedLinear` carries column 0 through unchanged, so
 // the marker survives any number of stages.
 #pragma once
@@ -12,6 +12,7 @@
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -116,11 +117,16 @@ inline torch::Tensor randn64(std::vector<int64_t> sizes) {
 }
 
 /// `rows` x `cols` float64 values whose column 0 holds each row's micro-batch
-/// index under `chunks` (at::chunk: pieces of ceil(rows / chunks) rows).
+/// index under `chunks` (min(rows, chunks) pieces, the first rows % pieces
+/// of them one row longer).
 inline torch::Tensor marked_input(int64_t rows, int64_t cols, int64_t chunks) {
   auto x = randn64({rows, cols});
-  const int64_t per = (rows + chunks - 1) / chunks;
-  for (int64_t r = 0; r < rows; ++r) x[r][0] = static_cast<double>(r / per);
+  const int64_t pieces = std::min(rows, chunks);
+  int64_t r = 0;
+  for (int64_t i = 0; i < pieces; ++i) {
+    const int64_t size = rows / pieces + (i < rows % pieces ? 1 : 0);
+    for (int64_t end = r + size; r < end; ++r) x[r][0] = static_cast<double>(i);
+  }
   return x;
 }
 

@@ -178,7 +178,7 @@ TEST_CASE("module: moving a Pipe to a device is refused", "[module]") {
   for (const auto& p : pipe->parameters()) CHECK(p.scalar_type() == torch::kFloat64);
 }
 
-TEST_CASE("module: several inputs through forward(vector) are transparent", "[module]") {
+TEST_CASE("module: several inputs through forward_tuple are transparent", "[module]") {
   const auto mode = GENERATE(Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never);
   const auto chunks = GENERATE(as<int64_t>{}, 1, 3);
   CAPTURE(mode, chunks);
@@ -195,7 +195,7 @@ TEST_CASE("module: several inputs through forward(vector) are transparent", "[mo
   auto b_pipe = b.clone().requires_grad_(true);
   auto a_ref = a.clone().requires_grad_(true);
   auto b_ref = b.clone().requires_grad_(true);
-  auto outs = pipe->forward(std::vector<torch::Tensor>{a_pipe, b_pipe});
+  auto outs = pipe->forward_tuple(std::vector<torch::Tensor>{a_pipe, b_pipe});
   REQUIRE(outs.size() == 1);
   auto out_ref = ref->forward<torch::Tensor>(std::vector<torch::Tensor>{a_ref, b_ref});
   CHECK(max_abs_diff(outs[0], out_ref) <= kTolerance);
@@ -208,15 +208,15 @@ TEST_CASE("module: several inputs through forward(vector) are transparent", "[mo
   check_param_grads(*pipe, *ref);
 }
 
-TEST_CASE("module: a last layer returning a list needs forward(vector)", "[module]") {
+TEST_CASE("module: a last layer returning a list needs forward_tuple", "[module]") {
   torch::nn::Sequential model(torch::nn::Linear(3, 3), Twice());
   gpipe::Pipe pipe(model, PipeOptions().balance({1, 1}).chunks(2));
   CHECK_THROWS_WITH(pipe->forward(torch::randn({4, 3})),
                     Contains("returned 2 tensors") &&
-                        Contains("forward(std::vector<torch::Tensor>)"));
+                        Contains("forward_tuple"));
 }
 
-TEST_CASE("module: a list in and a list out through forward(vector)", "[module]") {
+TEST_CASE("module: a list in and a list out through forward_tuple", "[module]") {
   torch::manual_seed(9);
   auto model = torch::nn::Sequential(PairLinear(), SumPair(), Twice());
   model->to(torch::kFloat64);
@@ -226,7 +226,7 @@ TEST_CASE("module: a list in and a list out through forward(vector)", "[module]"
   const auto b = randn64({5, 2});
   auto a_pipe = a.clone().requires_grad_(true);
   auto a_ref = a.clone().requires_grad_(true);
-  auto outs = pipe->forward(std::vector<torch::Tensor>{a_pipe, b});
+  auto outs = pipe->forward_tuple(std::vector<torch::Tensor>{a_pipe, b});
   const auto want = ref->forward<std::vector<torch::Tensor>>(std::vector<torch::Tensor>{a_ref, b});
   REQUIRE(outs.size() == 2);
   CHECK(max_abs_diff(outs[0], want[0]) <= kTolerance);

@@ -109,8 +109,7 @@ TEST_CASE("options: a valid construction does not throw", "[options]") {
 TEST_CASE("options: bad inputs at forward name the problem", "[options]") {
   gpipe::Pipe pipe(three_layers(), PipeOptions().balance({2, 1}).chunks(2));
   CHECK_THROWS_WITH(pipe->forward(torch::tensor(1.0f)), Contains("0-dimensional"));
-  CHECK_THROWS_WITH(pipe->forward(torch::zeros({0, 3})), Contains("0 rows"));
-  CHECK_THROWS_WITH(pipe->forward(std::vector<torch::Tensor>{}), Contains("no input"));
+  CHECK_THROWS_WITH(pipe->forward_tuple(std::vector<torch::Tensor>{}), Contains("no input"));
   // The Pipe still works afterwards.
   CHECK(pipe->forward(torch::randn({4, 3})).sizes() == torch::IntArrayRef({4, 2}));
 }

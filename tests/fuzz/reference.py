@@ -163,8 +163,9 @@ class BoundaryCloned(nn.Sequential):
     def forward(self, x: Any) -> Any:  # type: ignore[override]
         self.errors = []
         callers = as_tuple(x)
-        m = len(callers[0].chunk(self.chunks)) if self.chunks > 1 and callers[0].shape[0] else 1
-        pieces = ([tuple(t.chunk(m)[i] for t in callers) for i in range(m)] if m > 1
+        # The Pipe's cut: min(chunks, rows) pieces differing by at most one row, larger first.
+        m = min(self.chunks, callers[0].shape[0]) if callers[0].shape[0] else 1
+        pieces = ([tuple(t.tensor_split(m)[i] for t in callers) for i in range(m)] if m > 1
                   else [callers])
         rows = [p[0].shape[0] for p in pieces]
         graph = torch.is_grad_enabled() and self.training
