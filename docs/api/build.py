@@ -826,7 +826,7 @@ class HeaderParser:
         scopes.append(Scope("body", ""))
 
     def declaration(self, scopes: Sequence[Scope], text: str, doc: List[str], line: int) -> None:
-        text = re.sub(r"\s+", " ", text)
+        text = re.sub(r"\(\s+", "(", re.sub(r"\s+\)", ")", re.sub(r"\s+", " ", text)))
         if re.match(r"^(using|friend|typedef|static_assert)\b", text) or \
                 re.match(r"^(class|struct|enum)\s+[\w:]+$", text):
             return  # using-declarations, forward declarations
@@ -977,6 +977,10 @@ def generate(warn: Warnings) -> Dict[Path, str]:
     return {OUT / "python.md": python_md, OUT / "cpp.md": cpp.render()}
 
 
+def shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="Generate docs/api/python.md and cpp.md.")
     parser.add_argument("--check", action="store_true",
@@ -996,11 +1000,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print("\n".join(list(diff)[:40]))
         else:
             path.write_text(text)
-            print(f"wrote {path.relative_to(ROOT)}")
+            print(f"wrote {shown(path)}")
     for w in warn.items:
         print(f"warning: {w}")
     for path in stale:
-        print(f"error: {path.relative_to(ROOT)} is stale; regenerate it with {COMMAND}")
+        print(f"error: {shown(path)} is stale; regenerate it with {COMMAND}")
     if warn.items:
         print(f"{len(warn.items)} warning(s): document what they name (docstrings, /// comments), "
               f"then run {COMMAND}")
