@@ -339,3 +339,30 @@ def test_balance_by_time_is_steady_under_load():
             p.kill()
             p.wait()
     assert balances == [[2, 1, 3]] * 5, balances
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_profiling_on_cuda_holds_one_layer_at_a_time():
+    # The model on the CPU, profiled on the GPU: eight 4 MiB layers (32 MiB
+    # in all), yet the GPU never holds more than about one layer and its
+    # grads (8 MiB) besides small activations.
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
+    sample = torch.randn(8, 1024)
+    layer_bytes = 1024 * 1024 * 4
+    for profile in (lambda: balance_by_time(4, model, sample, timeout=0, device="cuda"),
+                    lambda: balance_by_size(4, model, sample, device="cuda")):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        profile()
+        assert torch.cuda.max_memory_allocated() - base < 3 * layer_bytes
+        assert torch.cuda.memory_allocated() == base
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    # And while each layer runs, it alone is on the GPU.
+    log: list = []
+    probes: List[nn.Module] = []
+    probed = nn.Sequential(*[Probe(log, probes, i) for i in range(3)])
+    probes.extend(probed)
+    balance_by_time(2, probed, torch.randn(4, 2), timeout=0, device="cuda")
+    assert log and all(devices == ["cuda" if i == index else "cpu" for i in range(3)]
+                       for index, devices in log)
