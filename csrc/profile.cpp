@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
+#include <optional>
 
 namespace gpipe::detail {
 
@@ -60,88 +62,129 @@ void synchronize(c10::Device device) {
 
 namespace {
 
-at::Tensor as_tensor(torch::nn::AnyValue value, size_t layer) {
-  auto* t = value.try_get<at::Tensor>();
-  TORCH_CHECK(t != nullptr, "layer ", layer, " returned a ", value.type_info().name(),
-              "; balancing by profile needs layers that take and return one tensor");
-  return *t;
-}
-
 bool can_require_grad(const at::Tensor& t) { return t.is_floating_point() || t.is_complex(); }
 
-// The layer's input for a graph-building run: a non-leaf copy, so layers
-// that work in place are fine.
-at::Tensor graph_input(const at::Tensor& x) {
-  if (!can_require_grad(x)) return x;
-  return x.detach().requires_grad_(true).clone();
+// What a layer returned, checked: a tensor or a vector of them.
+Activation as_activation(torch::nn::AnyValue value, size_t layer) {
+  if (auto* t = value.try_get<at::Tensor>()) return {{*t}, true};
+  if (auto* ts = value.try_get<std::vector<at::Tensor>>()) return {*ts, false};
+  TORCH_CHECK(false, "layer ", layer, " returned a ", value.type_info().name(),
+              "; balancing by profile needs layers that return torch::Tensor or "
+              "std::vector<torch::Tensor>");
 }
 
-void check_sample(const at::Tensor& sample) {
-  TORCH_CHECK(sample.defined() && sample.dim() >= 1,
-              "the sample must be a tensor with a batch dimension, got ",
-              sample.defined() ? "a 0-dimensional tensor" : "an undefined tensor");
+Activation map(const Activation& x, const std::function<at::Tensor(const at::Tensor&)>& f) {
+  Activation y{{}, x.single};
+  for (const auto& t : x.tensors) y.tensors.push_back(f(t));
+  return y;
+}
+
+// The layer's input for a graph-building run: non-leaf copies, so layers
+// that work in place are fine.
+Activation graph_input(const Activation& x) {
+  return map(x, [](const at::Tensor& t) {
+    return can_require_grad(t) ? t.detach().requires_grad_(true).clone() : t;
+  });
+}
+
+Activation detached(const Activation& x) {
+  return map(x, [](const at::Tensor& t) { return t.detach(); });
+}
+
+torch::nn::AnyValue call(torch::nn::AnyModule& layer, const Activation& x) {
+  return x.single ? layer.any_forward(x.tensors.front()) : layer.any_forward(x.tensors);
+}
+
+void check_sample(const Activation& sample) {
+  TORCH_CHECK(!sample.tensors.empty(), "the sample is an empty list of tensors; pass at least one");
+  for (const auto& t : sample.tensors) {
+    TORCH_CHECK(t.defined() && t.dim() >= 1,
+                "the sample must be tensors with a batch dimension, got ",
+                t.defined() ? "a 0-dimensional tensor" : "an undefined tensor");
+  }
+}
+
+// Where the model is: profiling there moves nothing it need not.
+c10::Device device_of(const torch::nn::Module& model, const BalanceOptions& options) {
+  if (options.device()) return *options.device();
+  for (const auto& p : model.parameters()) return p.device();
+  for (const auto& b : model.buffers()) {
+    if (b.defined()) return b.device();
+  }
+  return c10::Device(c10::kCPU);
 }
 
 }  // namespace
 
-std::vector<double> layer_times(torch::nn::Sequential model, const at::Tensor& sample,
+std::vector<double> layer_times(torch::nn::Sequential model, const Activation& sample,
                                 c10::Device device, double timeout) {
   check_sample(sample);
   const size_t n = model->size();
   std::vector<std::vector<double>> seconds(n);
-  std::vector<at::Tensor> inputs(n);
   at::AutoGradMode grad(true);
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  // Pass 0 warms up (the first backward starts autograd's threads,
-  // allocators fill) and is not counted; then at least one counted pass.
-  for (int64_t pass = 0;; ++pass) {
-    at::Tensor x = sample.to(device);
+  // Round 0 warms up (the first backward starts autograd's threads,
+  // allocators fill) and is not counted.
+  for (int64_t round = 0;; ++round) {
+    Activation x = map(sample, [&](const at::Tensor& t) { return t.to(device); });
     size_t i = 0;
     for (auto& layer : *model) {
-      at::Tensor in = graph_input(inputs[i].defined() ? inputs[i] : x);
+      // This layer alone on the device; back where it was at the end of
+      // the scope, with the grads it made there dropped.
+      ModelSnapshot resident(*layer.ptr());
+      layer.ptr()->to(device);
+      Activation in = graph_input(x);
       synchronize(device);
       const auto t0 = Clock::now();
-      at::Tensor y = as_tensor(layer.any_forward(in), i);
-      if (y.requires_grad()) torch::autograd::backward({y}, {at::ones_like(y)});
+      Activation y = as_activation(call(layer, in), i);
+      std::vector<at::Tensor> outputs, grads;
+      for (const auto& t : y.tensors) {
+        if (t.requires_grad()) {
+          outputs.push_back(t);
+          grads.push_back(at::ones_like(t));
+        }
+      }
+      if (!outputs.empty()) torch::autograd::backward(outputs, grads);
       synchronize(device);
-      if (pass > 0) seconds[i].push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-      if (!inputs[i].defined()) inputs[i] = x;
-      x = y.detach();
+      if (round > 0) seconds[i].push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      x = detached(y);
       ++i;
     }
-    if (pass > 0 && std::chrono::duration<double>(Clock::now() - start).count() >= timeout) break;
+    if (round >= kMinRepeats &&
+        std::chrono::duration<double>(Clock::now() - start).count() >= timeout) {
+      break;
+    }
   }
 
-  std::vector<double> medians;
-  for (auto& s : seconds) {
-    std::sort(s.begin(), s.end());
-    medians.push_back(s[s.size() / 2]);
-  }
-  return medians;
+  std::vector<double> fastest;
+  for (const auto& s : seconds) fastest.push_back(*std::min_element(s.begin(), s.end()));
+  return fastest;
 }
 
-std::vector<double> layer_sizes(torch::nn::Sequential model, const at::Tensor& input,
+std::vector<double> layer_sizes(torch::nn::Sequential model, const Activation& input,
                                 c10::Device device, double param_scale) {
   check_sample(input);
   TORCH_CHECK(param_scale >= 0, "param_scale must be non-negative, got ", param_scale);
   std::vector<double> bytes;
   at::AutoGradMode grad(true);
-  at::Tensor x = input.to(device);
+  Activation x = map(input, [&](const at::Tensor& t) { return t.to(device); });
   size_t i = 0;
   for (auto& layer : *model) {
+    ModelSnapshot resident(*layer.ptr());
+    layer.ptr()->to(device);
     double params = 0;
     for (const auto& p : layer.ptr()->parameters()) params += static_cast<double>(p.nbytes());
-    at::Tensor in = graph_input(x);
-    at::Tensor y;
+    Activation in = graph_input(x);
+    std::optional<torch::nn::AnyValue> y;
     int64_t kept = 0;
     {
       CountMemory count;
-      y = as_tensor(layer.any_forward(in), i);
+      y.emplace(call(layer, in));
       kept = count.counter().current();  // the output and what backward will need
     }
     bytes.push_back(params * param_scale + static_cast<double>(std::max<int64_t>(kept, 0)));
-    x = y.detach();
+    x = detached(as_activation(std::move(*y), i));
     ++i;
   }
   return bytes;
@@ -151,26 +194,53 @@ std::vector<double> layer_sizes(torch::nn::Sequential model, const at::Tensor& i
 
 namespace gpipe {
 
-std::vector<int64_t> balance_by_time(int64_t partitions, torch::nn::Sequential module,
-                                     const at::Tensor& sample, BalanceOptions options) {
+namespace {
+
+std::vector<int64_t> by_time(int64_t partitions, torch::nn::Sequential module,
+                             const detail::Activation& sample, const BalanceOptions& options) {
   TORCH_CHECK(options.timeout() >= 0, "timeout must be non-negative, got ", options.timeout());
+  const auto device = detail::device_of(*module, options);
   detail::ModelSnapshot snapshot(*module);
   module->train();
-  module->to(options.device());
-  return balance_cost(detail::layer_times(module, sample, options.device(), options.timeout()),
+  return balance_cost(detail::layer_times(module, sample, device, options.timeout()), partitions);
+}
+
+std::vector<int64_t> by_size(int64_t partitions, torch::nn::Sequential module,
+                             const detail::Activation& input, const BalanceOptions& options) {
+  TORCH_CHECK(options.chunks() >= 1, "chunks must be at least 1, got ", options.chunks());
+  const auto device = detail::device_of(*module, options);
+  detail::ModelSnapshot snapshot(*module);
+  module->train();
+  detail::Activation microbatch = input;
+  for (auto& t : microbatch.tensors) {
+    if (t.defined() && t.dim() >= 1) t = t.chunk(options.chunks(), 0).front();
+  }
+  return balance_cost(detail::layer_sizes(module, microbatch, device, options.param_scale()),
                       partitions);
+}
+
+}  // namespace
+
+std::vector<int64_t> balance_by_time(int64_t partitions, torch::nn::Sequential module,
+                                     const at::Tensor& sample, BalanceOptions options) {
+  return by_time(partitions, std::move(module), {{sample}, true}, options);
+}
+
+std::vector<int64_t> balance_by_time(int64_t partitions, torch::nn::Sequential module,
+                                     const std::vector<at::Tensor>& sample,
+                                     BalanceOptions options) {
+  return by_time(partitions, std::move(module), {sample, false}, options);
 }
 
 std::vector<int64_t> balance_by_size(int64_t partitions, torch::nn::Sequential module,
                                      const at::Tensor& input, BalanceOptions options) {
-  TORCH_CHECK(options.chunks() >= 1, "chunks must be at least 1, got ", options.chunks());
-  detail::ModelSnapshot snapshot(*module);
-  module->train();
-  module->to(options.device());
-  at::Tensor microbatch = input.dim() >= 1 ? input.chunk(options.chunks(), 0).front() : input;
-  return balance_cost(
-      detail::layer_sizes(module, microbatch, options.device(), options.param_scale()),
-      partitions);
+  return by_size(partitions, std::move(module), {{input}, true}, options);
+}
+
+std::vector<int64_t> balance_by_size(int64_t partitions, torch::nn::Sequential module,
+                                     const std::vector<at::Tensor>& input,
+                                     BalanceOptions options) {
+  return by_size(partitions, std::move(module), {input, false}, options);
 }
 
 }  // namespace gpipe

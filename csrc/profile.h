@@ -65,14 +65,22 @@ class CountMemory {
 /// Waits for the device's queued work (nothing on CPU).
 void synchronize(c10::Device device);
 
-/// Median forward+backward seconds of each layer on what the previous layers
-/// make of `sample`, profiled on `device` for about `timeout` seconds.
-std::vector<double> layer_times(torch::nn::Sequential model, const at::Tensor& sample,
+/// What flows between layers while profiling: one tensor, or several (a
+/// layer then gets them as one std::vector<at::Tensor>).
+struct Activation {
+  std::vector<at::Tensor> tensors;
+  bool single = true;
+};
+
+/// Fastest forward+backward seconds of each layer on what the previous
+/// layers make of `sample`, one layer at a time on `device`, in rounds for
+/// about `timeout` seconds (at least kMinRepeats timed).
+std::vector<double> layer_times(torch::nn::Sequential model, const Activation& sample,
                                 c10::Device device, double timeout);
 
 /// Bytes of each layer: parameters × param_scale + activations its forward
-/// keeps for backward, on `device`.
-std::vector<double> layer_sizes(torch::nn::Sequential model, const at::Tensor& input,
+/// keeps for backward, one layer at a time on `device`.
+std::vector<double> layer_sizes(torch::nn::Sequential model, const Activation& input,
                                 c10::Device device, double param_scale);
 
 }  // namespace gpipe::detail

@@ -2,20 +2,29 @@
 
 Every function returns the contiguous split of the Sequential's layers into
 ``partitions`` stages that minimises the most expensive stage, exactly (not
-greedily), computed by the C++ engine's partitioner. Profiling leaves the
-model's parameters, buffers, grads, devices and training mode as it found them.
+greedily), computed by the C++ engine's partitioner.
+
+Profiling moves one layer at a time to the profiling ``device`` (by default,
+where the model's first parameter or buffer is) and back before the next
+layer, with only the activation between them kept there: the peak on the
+device is about the largest layer, its grads and its activations, not the
+whole model, so a model that needs a pipeline because it does not fit on one
+device can still be profiled on one. It leaves the model's parameters (same
+storage), buffers, grads, devices and training mode as it found them.
+
+Layers may take and return a tensor or a tuple of tensors (the next layer gets
+the tuple as its one argument), and the sample may be either, as in torchgpipe.
 
 Example::
 
     from gpipe.balance import balance_by_time
-    balance = balance_by_time(4, model, sample, timeout=0.5, device=torch.device('cpu'))
+    balance = balance_by_time(4, model, sample, timeout=0.5)
     pipe = gpipe.Pipe(model, balance, chunks=8)
 """
 import contextlib
 import itertools
-import statistics
 import time
-from typing import Iterator, List, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +34,12 @@ from gpipe import _C
 __all__ = ["balance_cost", "balance_by_params", "balance_by_time", "balance_by_size"]
 
 Device = Union[torch.device, int, str]
+TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
+
+#: balance_by_time times each layer at least this many times (after one
+#: warm-up run), however short the timeout: under load a single timing can
+#: be off by a whole scheduler time slice, many times the layer's own cost.
+MIN_REPEATS = 3
 
 
 def balance_cost(costs: Sequence[float], partitions: int) -> List[int]:
@@ -43,18 +58,27 @@ def balance_by_params(partitions: int, module: nn.Sequential) -> List[int]:
                         partitions)
 
 
-def _device(device: Device) -> torch.device:
+def _device(device: Optional[Device], module: nn.Module) -> torch.device:
+    if device is None:
+        # Where the model is: profiling then moves nothing it need not.
+        first = next(itertools.chain(module.parameters(), module.buffers()), None)
+        return first.device if first is not None else torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("balancing on device 'cuda', but CUDA is not available; pass "
-                         "device=torch.device('cpu') to profile on the CPU")
+        raise ValueError(f"balancing on device '{device}', but CUDA is not available; pass "
+                         "device=torch.device('cpu'), or leave device out to profile where "
+                         "the model's layers are")
     return device
 
 
 @contextlib.contextmanager
 def _untouched(module: nn.Module) -> Iterator[None]:
-    """Restores parameters (storage, values, grads), buffers, devices and
-    training mode on exit; grads read as None meanwhile."""
+    """Restores parameters (the same objects, storage, values, grads),
+    buffers, devices and training mode on exit; grads read as None meanwhile."""
+    # Module.to swaps in new Parameter objects where it cannot set .data (to
+    # or from 'meta', say): the modules get their own objects back.
+    slots = [(table, name, t) for m in module.modules()
+             for table in (m._parameters, m._buffers) for name, t in table.items()]
     params = [(p, p.data, p.grad) for p in module.parameters()]
     buffers = [(b, b.data, b.detach().clone()) for b in module.buffers()]
     modes = [(m, m.training) for m in module.modules()]
@@ -63,6 +87,8 @@ def _untouched(module: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
+        for table, name, t in slots:
+            table[name] = t
         with torch.no_grad():
             for p, data, grad in params:
                 p.data = data
@@ -74,11 +100,41 @@ def _untouched(module: nn.Module) -> Iterator[None]:
             m.training = training
 
 
-def _graph_input(x: Tensor) -> Tensor:
-    # A non-leaf copy, so layers working in place are fine.
+@contextlib.contextmanager
+def _on(layer: nn.Module, device: torch.device) -> Iterator[None]:
+    """The layer on ``device`` meanwhile; afterwards back on its own storage,
+    with the grads it made there dropped (so the device holds one layer)."""
+    with _untouched(layer):
+        layer.to(device)
+        yield
+
+
+def _tensors(value: object) -> Tuple[Tensor, ...]:
+    return value if isinstance(value, tuple) else (value,)  # type: ignore[return-value]
+
+
+def _graph_input(x: TensorOrTensors) -> TensorOrTensors:
+    # Non-leaf copies, so layers working in place are fine.
+    if isinstance(x, tuple):
+        return tuple(_graph_input(t) for t in x)  # type: ignore[misc]
     if x.is_floating_point() or x.is_complex():
         return x.detach().requires_grad_().clone()
     return x
+
+
+def _detach(x: TensorOrTensors) -> TensorOrTensors:
+    return tuple(t.detach() for t in x) if isinstance(x, tuple) else x.detach()
+
+
+def _to(x: TensorOrTensors, device: torch.device) -> TensorOrTensors:
+    return tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
+
+
+def _check_output(y: object, i: int) -> TensorOrTensors:
+    if not all(isinstance(t, Tensor) for t in _tensors(y)):
+        raise TypeError(f"layer {i} returned {type(y).__name__}; balancing by profile needs "
+                        f"layers that return a tensor or a tuple of tensors")
+    return y  # type: ignore[return-value]
 
 
 def _sync(device: torch.device) -> None:
@@ -86,75 +142,88 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _check_sample(sample: Tensor) -> None:
-    if not isinstance(sample, Tensor) or sample.dim() < 1:
-        raise TypeError("the sample must be a tensor with a batch dimension, got "
-                        f"{type(sample).__name__ if not isinstance(sample, Tensor) else '0-d'}")
+def _check_sample(sample: object, name: str = "sample") -> None:
+    for t in _tensors(sample):
+        if not isinstance(t, Tensor) or t.dim() < 1:
+            got = type(t).__name__ if not isinstance(t, Tensor) else "a 0-d tensor"
+            raise TypeError(f"the {name} must be a tensor with a batch dimension, or a tuple of "
+                            f"them, got {got}")
+    if isinstance(sample, tuple) and not sample:
+        raise TypeError(f"the {name} must be a tensor or a tuple of tensors, got an empty tuple")
 
 
-def balance_by_time(partitions: int, module: nn.Sequential, sample: Tensor, *,
-                    timeout: float = 1.0, device: Device = torch.device("cuda")) -> List[int]:
-    """Balances by forward+backward time: each layer runs on what the
-    previous layers make of ``sample``, once to warm up, then repeatedly for
-    about ``timeout`` seconds (at least once), and the median time of each
-    layer is its cost."""
+def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTensors, *,
+                    timeout: float = 1.0, device: Optional[Device] = None) -> List[int]:
+    """Balances by forward+backward time per layer on ``sample`` (a tensor or
+    a tuple of tensors; each layer gets what the previous ones made of it).
+
+    The profile runs in rounds: each round takes the sample through the
+    layers, one layer at a time on ``device`` (moved there, run, moved back).
+    Round 0 warms up (autograd's threads, allocators) and is not counted;
+    rounds go on until ``timeout`` seconds have passed, but at least
+    :data:`MIN_REPEATS` are timed, so a slow model takes longer than
+    ``timeout``. A layer's cost is its fastest timed run: other work on the
+    machine (another process, a descheduled intra-op thread) only ever adds
+    time to a run, so the fastest is the one it spoiled least, and rounds
+    spread a load that comes and goes over all layers alike. ``device``
+    defaults to where the model's layers are."""
     _check_sample(sample)
-    device = _device(device)
+    device = _device(device, module)
     times: List[List[float]] = [[] for _ in module]
-    with _untouched(module):
-        module.to(device).train()
-        inputs: List[Tensor] = []
+    with _untouched(module), torch.enable_grad():
+        module.train()
         start = time.perf_counter()
-        # Pass 0 warms up (the first backward starts autograd's threads,
-        # allocators fill) and is not counted.
-        for rep in itertools.count():
-            x = sample.to(device)
+        for round_ in itertools.count():
+            x = _to(sample, device)
             for i, layer in enumerate(module):
-                if len(inputs) <= i:
-                    inputs.append(x)
-                x_in = _graph_input(inputs[i])
-                _sync(device)
-                t0 = time.perf_counter()
-                y = layer(x_in)
-                if not isinstance(y, Tensor):
-                    raise TypeError(f"layer {i} returned {type(y).__name__}; balancing by "
-                                    f"profile needs layers that take and return one tensor")
-                if y.requires_grad:
-                    y.backward(torch.ones_like(y))
-                _sync(device)
-                if rep > 0:
-                    times[i].append(time.perf_counter() - t0)
-                x = y.detach()
-            if rep > 0 and time.perf_counter() - start >= timeout:
+                with _on(layer, device):
+                    x_in = _graph_input(x)
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    y = _check_output(layer(x_in), i)
+                    grads = [t for t in _tensors(y) if t.requires_grad]
+                    if grads:
+                        torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
+                    _sync(device)
+                    if round_ > 0:
+                        times[i].append(time.perf_counter() - t0)
+                    x = _detach(y)
+                    del x_in, y, grads
+            if round_ >= MIN_REPEATS and time.perf_counter() - start >= timeout:
                 break
-    return balance_cost([statistics.median(t) for t in times], partitions)
+    return balance_cost([min(t) for t in times], partitions)
 
 
-def balance_by_size(partitions: int, module: nn.Sequential, input: Tensor, *, chunks: int = 1,
-                    param_scale: float = 2.0,
-                    device: Device = torch.device("cuda")) -> List[int]:
+def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTensors, *,
+                    chunks: int = 1, param_scale: float = 2.0,
+                    device: Optional[Device] = None) -> List[int]:
     """Balances by memory: per layer, its parameter bytes × ``param_scale``
     (the parameters, their grads and optimizer state) plus the bytes its
     forward keeps alive for backward, measured on the first of ``chunks``
-    micro-batches of ``input``. Works on CPU and CUDA (allocator reports)."""
-    _check_sample(input)
+    micro-batches of ``input`` (a tensor or a tuple of tensors, each cut
+    along dim 0). One layer at a time is moved to ``device`` (default: where
+    the model's layers are) and back. Works on CPU and CUDA (allocator
+    reports)."""
+    _check_sample(input, "input")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
     if param_scale < 0:
         raise ValueError(f"param_scale must be non-negative, got {param_scale}")
-    device = _device(device)
+    device = _device(device, module)
     costs: List[float] = []
-    with _untouched(module):
-        module.to(device).train()
-        x = input.chunk(int(chunks))[0].to(device)
+    with _untouched(module), torch.enable_grad():
+        module.train()
+        first = tuple(t.chunk(chunks)[0] for t in _tensors(input))
+        x = _to(first if isinstance(input, tuple) else first[0], device)
         for i, layer in enumerate(module):
-            params = sum(p.numel() * p.element_size() for p in layer.parameters())
-            x_in = _graph_input(x)
-            with _C.MemoryCounter() as counter:
-                y = layer(x_in)
-                kept = counter.current
-            if not isinstance(y, Tensor):
-                raise TypeError(f"layer {i} returned {type(y).__name__}; balancing by profile "
-                                f"needs layers that take and return one tensor")
-            costs.append(params * param_scale + max(kept, 0))
-            x = y.detach()
-            del y, x_in
+            with _on(layer, device):
+                params = sum(p.numel() * p.element_size() for p in layer.parameters())
+                x_in = _graph_input(x)
+                with _C.MemoryCounter() as counter:
+                    y = layer(x_in)
+                    kept = counter.current
+                _check_output(y, i)
+                costs.append(params * param_scale + max(kept, 0))
+                x = _detach(y)
+                del y, x_in
     return balance_cost(costs, partitions)

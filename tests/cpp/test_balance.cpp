@@ -56,6 +56,68 @@ struct SleepImpl : torch::nn::Module {
 };
 TORCH_MODULE(Sleep);
 
+// Sleeps `ms`, and `extra_ms` more on its second run (the first one
+// balance_by_time times): a time slice lost to another process.
+struct HiccupImpl : torch::nn::Module {
+  HiccupImpl(int ms, int extra_ms) : ms(ms), extra_ms(extra_ms) {}
+  torch::Tensor forward(torch::Tensor x) {
+    ++runs;
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms + (runs == 2 ? extra_ms : 0)));
+    return x * 1;
+  }
+  int ms, extra_ms, runs = 0;
+};
+TORCH_MODULE(Hiccup);
+
+// Its to() moves like a copy to another device would: fresh storage. Each
+// forward logs, per probe, 'M' if that probe's parameter is away from its
+// own storage, '.' if home; so a test sees what profiling had moved.
+struct ProbeImpl : torch::nn::Module {
+  ProbeImpl(std::vector<ProbeImpl*>* probes, std::vector<std::string>* log)
+      : probes(probes), log(log) {
+    w = register_parameter("w", torch::ones({1}));
+    home = w.data_ptr();
+  }
+  using torch::nn::Module::to;
+  void to(torch::Device device, bool non_blocking) override {
+    torch::NoGradGuard no_grad;
+    w.set_data(w.detach().clone());
+    torch::nn::Module::to(device, non_blocking);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    std::string moved;
+    for (auto* p : *probes) moved += p->w.data_ptr() == p->home ? '.' : 'M';
+    log->push_back(moved);
+    return x * w;
+  }
+  std::vector<ProbeImpl*>* probes;
+  std::vector<std::string>* log;
+  torch::Tensor w;
+  const void* home;
+};
+TORCH_MODULE(Probe);
+
+// Takes and returns {float activations, int64 ids}: sleeps, scales the
+// floats by its parameter's first element, passes the ids on.
+struct PairImpl : torch::nn::Module {
+  PairImpl(int ms, int64_t params) : ms(ms) { w = register_parameter("w", torch::ones({params})); }
+  std::vector<torch::Tensor> forward(std::vector<torch::Tensor> xs) {
+    TORCH_CHECK(xs.size() == 2 && xs[1].scalar_type() == torch::kLong && !xs[1].requires_grad());
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return {xs[0] * w[0], xs[1]};
+  }
+  int ms;
+  torch::Tensor w;
+};
+TORCH_MODULE(Pair);
+
+struct JoinImpl : torch::nn::Module {
+  torch::Tensor forward(std::vector<torch::Tensor> xs) {
+    return xs[0] + xs[1].to(xs[0].scalar_type()).unsqueeze(1);
+  }
+};
+TORCH_MODULE(Join);
+
 }  // namespace
 
 TEST_CASE("balance: the partitioner equals brute force on random costs", "[balance]") {
@@ -98,6 +160,48 @@ TEST_CASE("balance: by time gives a 10x slower layer a stage of its own", "[bala
   auto balance = gpipe::balance_by_time(3, model, torch::ones({4, 3}),
                                         gpipe::BalanceOptions().timeout(0.3));
   CHECK(balance == std::vector<int64_t>{2, 1, 3});
+}
+
+TEST_CASE("balance: by time shrugs off one slow run", "[balance]") {
+  // Layer 0 loses 0.3 s in its first timed run: timed once, it would look
+  // like the slowest layer, giving {1, 2}.
+  torch::nn::Sequential model(Hiccup(10, 300), Sleep(10), Sleep(40));
+  CHECK(gpipe::balance_by_time(2, model, torch::ones({2, 2}), gpipe::BalanceOptions().timeout(0)) ==
+        std::vector<int64_t>{2, 1});
+}
+
+TEST_CASE("balance: profiling holds one layer on the device at a time", "[balance]") {
+  std::vector<ProbeImpl*> probes;
+  std::vector<std::string> log;
+  torch::nn::Sequential model;
+  for (int i = 0; i < 4; ++i) {
+    Probe probe(&probes, &log);
+    probes.push_back(probe.get());
+    model->push_back(probe);
+  }
+  gpipe::balance_by_time(2, model, torch::ones({4, 3}), gpipe::BalanceOptions().timeout(0));
+  const size_t timed = log.size();
+  gpipe::balance_by_size(2, model, torch::ones({4, 3}));
+  // Warm-up and kMinRepeats timed rounds, then one run each by size.
+  CHECK(timed == 4 * (1 + gpipe::kMinRepeats));
+  REQUIRE(log.size() == timed + 4);
+  const std::vector<std::string> expected{"M...", ".M..", "..M.", "...M"};
+  for (size_t i = 0; i < log.size(); ++i) CHECK(log[i] == expected[i % 4]);
+  for (auto* p : probes) CHECK(p->w.data_ptr() == p->home);
+}
+
+TEST_CASE("balance: layers that take and return several tensors", "[balance]") {
+  const std::vector<torch::Tensor> sample{torch::randn({16, 8}), torch::arange(16)};
+  torch::nn::Sequential timed(Pair(5, 1), Pair(5, 1), Pair(50, 1), Pair(5, 1), Join());
+  CHECK(gpipe::balance_by_time(3, timed, sample, gpipe::BalanceOptions().timeout(0)) ==
+        std::vector<int64_t>{2, 1, 2});
+  // Two layers of 16 KiB parameters (x2) and small ones: the big two apart.
+  torch::nn::Sequential sized(Pair(0, 4096), Pair(0, 4096), Pair(0, 8), Pair(0, 8), Join());
+  CHECK(gpipe::balance_by_size(2, sized, sample, gpipe::BalanceOptions().chunks(4)) ==
+        std::vector<int64_t>{1, 4});
+  torch::nn::Sequential bad(torch::nn::Linear(2, 2));
+  CHECK_THROWS_WITH(gpipe::balance_by_size(1, bad, std::vector<torch::Tensor>{}),
+                    Catch::Contains("empty list of tensors"));
 }
 
 TEST_CASE("balance: by size splits the heaviest layer from its heavy neighbour", "[balance]") {
