@@ -48,6 +48,7 @@ while(TRUE)
     file(WRITE "${_gpipe_readme_dir}/new/readme_${_gpipe_readme_count}.cpp" "${_gpipe_block}")
     configure_file("${_gpipe_readme_dir}/new/readme_${_gpipe_readme_count}.cpp" "${_gpipe_source}"
                    COPYONLY)
+    file(REMOVE "${_gpipe_readme_dir}/new/readme_${_gpipe_readme_count}.cpp")
     list(APPEND _gpipe_readme_sources "${_gpipe_source}")
   endif()
 endwhile()

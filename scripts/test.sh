@@ -32,7 +32,9 @@ if [[ -n "$(find tests/python -name 'test_*.py' -o -name '*_test.py' 2>/dev/null
       --disable-pip-version-check -q . || status=1
   fi
   pytest_status=0
-  "$gpipe_python" -m pytest tests/python -q || pytest_status=$?
+  # (GPIPE_CMAKE_BUILD_DIR: test_readme.py checks the README programs ctest ran.)
+  GPIPE_CMAKE_BUILD_DIR="$(cd "$build_dir" && pwd)" \
+    "$gpipe_python" -m pytest tests/python -q || pytest_status=$?
   # 5: no tests collected, which is not a failure here.
   if [[ $pytest_status -ne 0 && $pytest_status -ne 5 ]]; then status=1; fi
 fi
