@@ -23,12 +23,12 @@ if spec is None:
 print(os.path.realpath(os.path.join(spec.submodule_search_locations[0], "share", "cmake", "Torch")))
 ')" || return 1
   if [[ -f $build_dir/CMakeCache.txt ]]; then
-    cached="$(sed -n 's/^Torch_DIR:PATH=//p' "$build_dir/CMakeCache.txt")"
+    cached="$(sed -n 's/^Torch_DIR:[A-Z]*=//p' "$build_dir/CMakeCache.txt")"
     if [[ -n $cached && $(realpath -m "$cached") != "$torch_dir" ]]; then
       echo "build: $build_dir was configured against the torch at $cached; starting it afresh" \
            "for $gpipe_python's ($torch_dir)" >&2
       rm -rf "$build_dir"
     fi
   fi
-  torch_args=("-DTorch_DIR=$torch_dir" "-DGPIPE_PYTHON_EXECUTABLE=$gpipe_python")
+  torch_args=("-DTorch_DIR:PATH=$torch_dir" "-DGPIPE_PYTHON_EXECUTABLE:FILEPATH=$gpipe_python")
 }
