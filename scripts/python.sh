@@ -5,6 +5,7 @@
 #   gpipe_torch_cmake_args DIR             # sets torch_args: CMake arguments naming its torch
 #
 # scripts/setup.sh makes .venv (or checks GPIPE_PYTHON); run it first.
+# shellcheck shell=bash disable=SC2034  # gpipe_python, torch_args: for the sourcing script
 
 gpipe_python="${GPIPE_PYTHON:-$root/.venv/bin/python}"
 
