@@ -12,6 +12,7 @@ import glob
 import os
 import shutil
 import subprocess
+import sys
 
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -30,9 +31,12 @@ class BuildWithEngine(BuildExtension):
         build = cmake_build_dir()
         if not os.path.exists(os.path.join(build, "CMakeCache.txt")):
             generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+            # libgpipe must link the torch this Python (pip's) compiles _C against,
+            # not that of whichever python3 is first on PATH.
             subprocess.check_call(["cmake", "-S", ROOT, "-B", build, *generator,
                                    "-DCMAKE_BUILD_TYPE=Release", "-DGPIPE_BUILD_TESTS=OFF",
-                                   "-DGPIPE_BUILD_EXAMPLES=OFF"])
+                                   "-DGPIPE_BUILD_EXAMPLES=OFF",
+                                   f"-DGPIPE_PYTHON_EXECUTABLE={sys.executable}"])
         subprocess.check_call(["cmake", "--build", build, "--target", "gpipe",
                                "--parallel", str(os.cpu_count() or 1)])
         for ext in self.extensions:

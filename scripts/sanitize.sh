@@ -57,9 +57,11 @@ if [[ "$mode" == thread ]]; then
 fi
 
 bash scripts/setup.sh
+source scripts/python.sh
+gpipe_torch_cmake_args "$build_dir"  # -> torch_args: .venv's torch (or GPIPE_PYTHON's)
 # -O1 -g1: line tables for the reports at a fraction of full debug info's
 # build time; no NDEBUG, so asserts stay on.
-cmake -S . -B "$build_dir" -G Ninja \
+cmake -S . -B "$build_dir" -G Ninja "${torch_args[@]}" \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" \
   -DGPIPE_SANITIZE="$mode" -DGPIPE_BUILD_EXAMPLES=OFF -DGPIPE_TEST_INSTALL=OFF
 "${runner[@]}" cmake --build "$build_dir" --parallel "$jobs" --target gpipe_tests

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# test.sh — the one command that runs every test: builds, runs ctest (Catch2, examples, install), then pytest.
+# test.sh — the one command that runs every test: builds, runs ctest (Catch2, examples, install, README), then pytest.
 #
 #   bash scripts/test.sh
 #
 # Exits non-zero when the build or any test fails. Build settings: see
-# scripts/build.sh (GPIPE_BUILD_TYPE, GPIPE_JOBS, ...).
+# scripts/build.sh (GPIPE_BUILD_TYPE, GPIPE_JOBS, ...). The package gpipe is
+# installed into, and pytest run by, the project's .venv (or GPIPE_PYTHON,
+# see scripts/setup.sh).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/build.sh
+source scripts/python.sh  # gpipe_python
 
 build_dir="${GPIPE_BUILD_DIR:-build}"
 # (plain nproc would honour OMP_NUM_THREADS, which limits torch, not the build)
@@ -22,14 +25,16 @@ status=0
 # Python: only when there are test files.
 if [[ -n "$(find tests/python -name 'test_*.py' -o -name '*_test.py' 2>/dev/null | head -1)" ]]; then
   if [[ -f setup.py ]]; then
-    # Install the package gpipe (gpipe._C + libgpipe) into python3's
+    # Install the package gpipe (gpipe._C + libgpipe) into gpipe_python's
     # environment, reusing the libgpipe just built (see setup.py).
     GPIPE_CMAKE_BUILD_DIR="$(cd "$build_dir" && pwd)" PIP_ROOT_USER_ACTION=ignore \
-      python3 -m pip install --no-build-isolation --no-deps --no-input --progress-bar off \
+      "$gpipe_python" -m pip install --no-build-isolation --no-deps --no-input --progress-bar off \
       --disable-pip-version-check -q . || status=1
   fi
   pytest_status=0
-  python3 -m pytest tests/python -q || pytest_status=$?
+  # (GPIPE_CMAKE_BUILD_DIR: test_readme.py checks the README programs ctest ran.)
+  GPIPE_CMAKE_BUILD_DIR="$(cd "$build_dir" && pwd)" \
+    "$gpipe_python" -m pytest tests/python -q || pytest_status=$?
   # 5: no tests collected, which is not a failure here.
   if [[ $pytest_status -ne 0 && $pytest_status -ne 5 ]]; then status=1; fi
 fi
