@@ -101,13 +101,15 @@ def _check_balance(module: nn.Sequential, balance: List[int]) -> None:
 
 def _single_device(devices: Any) -> Optional[torch.device]:
     """The device ``devices`` names when it is one device (every stage there), else None."""
-    if isinstance(devices, (int, bool)) or _is_bool(devices):
+    if devices is None:
+        return None
+    if isinstance(devices, (str, torch.device)):
+        return _device(devices, "devices")
+    if not isinstance(devices, Iterable) or _is_bool(devices):
         raise TypeError(f"devices must be a list with one device per stage, or one device for "
                         f"every stage, got {devices!r} ({type(devices).__name__}); e.g. "
                         f"devices=['cuda:0', 'cuda:1'] (ints are CUDA indices: devices=[0, 1]) "
                         f"or devices='cpu'")
-    if isinstance(devices, (str, torch.device)):
-        return _device(devices, "devices")
     return None
 
 
