@@ -289,8 +289,7 @@ class Pipe(nn.Module):
         devices = [_device(d, f"devices[{i}]")
                    for i, d in enumerate(devices)]  # type: ignore[union-attr, arg-type]
         if len(devices) < len(balance):
-            raise IndexError(f"too few devices to hold given partitions (devices: "
-                             f"{len(devices)}, partitions: {len(balance)}): got "
+            raise IndexError(f"too few devices to hold given partitions: got "
                              f"{len(devices)} devices for {len(balance)} stages; pass one "
                              f"device per stage, e.g. devices={['cpu'] * len(balance)!r}, or "
                              f"one device for every stage, e.g. devices='cpu'")

@@ -261,7 +261,8 @@ def test_torch_save_and_load(tmp_path):
 
 def bn_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(),
-                         nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)), nn.Linear(6, 3)).double()
+                         nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)),
+                         nn.Linear(6, 3)).double()
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
