@@ -48,10 +48,12 @@ class Trace:
     def __len__(self) -> int: ...
 
 def is_checkpointing() -> bool:
-    """True inside the first forward of a checkpointed micro-batch (no graph kept)."""
+    """True inside the first forward of a checkpointed micro-batch (no graph kept).
+    Public as gpipe.is_checkpointing, a Python function calling this one."""
 
 def is_recomputing() -> bool:
-    """True inside the recompute of a checkpointed micro-batch, just before its backward."""
+    """True inside the recompute of a checkpointed micro-batch, just before its backward.
+    Public as gpipe.is_recomputing, a Python function calling this one."""
 
 class MemoryCounter:
     """Context manager: bytes allocated minus bytes freed on this thread while inside."""

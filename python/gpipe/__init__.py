@@ -7,9 +7,8 @@ as the plain model.
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from gpipe._C import is_checkpointing, is_recomputing
 from gpipe import balance
-from gpipe.pipe import GPipe, Pipe
+from gpipe.pipe import GPipe, Pipe, is_checkpointing, is_recomputing
 from gpipe.trace import Trace, plot_timeline, tracing
 
 __all__ = [

@@ -1,4 +1,5 @@
 """Batch norm whose running statistics cover a whole mini-batch, not each micro-batch."""
+import copy
 from typing import Optional
 
 import torch
@@ -82,27 +83,62 @@ class DeferredBatchNorm(_BatchNorm):
 
     @classmethod
     def convert(cls, module: nn.Module, microbatches: int = 1) -> nn.Module:
-        """Returns ``module`` with every BatchNorm (1d, 2d, 3d) replaced by a
-        DeferredBatchNorm holding the same parameters and buffers."""
-        if isinstance(module, _BatchNorm) and module.track_running_stats and \
-                not isinstance(module, DeferredBatchNorm):
-            new = cls(module.num_features, module.eps, module.momentum, module.affine)
-            if module.affine:
-                new.register_parameter("weight", module.weight)
-                new.register_parameter("bias", module.bias)
-            new.register_buffer("running_mean", module.running_mean)
-            new.register_buffer("running_var", module.running_var)
-            new.register_buffer("num_batches_tracked", module.num_batches_tracked)
-            new.microbatches = microbatches
-            new.train(module.training)
-            return new
-        for name, child in module.named_children():
-            converted = cls.convert(child, microbatches)
-            if converted is not child:
-                setattr(module, name, converted)
+        """Returns ``module`` with every BatchNorm (1d, 2d, 3d) replaced, in
+        place, by a DeferredBatchNorm holding the same parameters and buffers
+        (a BatchNorm passed itself is returned converted). ``gpipe.Pipe``
+        leaves its caller's model alone instead (see :func:`_deferred_copy`)."""
+        return _convert(cls, module, microbatches, in_place=True)
+
+
+def _converted_batch_norm(cls: type, module: _BatchNorm, microbatches: int) -> "DeferredBatchNorm":
+    new = cls(module.num_features, module.eps, module.momentum, module.affine)
+    # The same tensors, not copies: training the converted layer updates the
+    # original's weight, bias and running statistics.
+    if module.affine:
+        new.register_parameter("weight", module.weight)
+        new.register_parameter("bias", module.bias)
+    new.register_buffer("running_mean", module.running_mean)
+    new.register_buffer("running_var", module.running_var)
+    new.register_buffer("num_batches_tracked", module.num_batches_tracked)
+    new.microbatches = microbatches
+    new.train(module.training)
+    return new
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module object with the same attributes, whose own dicts, lists and sets
+    (children, parameters, buffers, hooks) are copies: registering on it, or
+    replacing a child, leaves ``module`` alone. The tensors and children are shared."""
+    new = copy.copy(module)
+    for key, value in vars(new).items():
+        if isinstance(value, (dict, list, set)):
+            vars(new)[key] = copy.copy(value)
+    return new
+
+
+def _convert(cls: type, module: nn.Module, microbatches: int, in_place: bool) -> nn.Module:
+    if isinstance(module, _BatchNorm) and module.track_running_stats and \
+            not isinstance(module, DeferredBatchNorm):
+        return _converted_batch_norm(cls, module, microbatches)
+    converted = {name: _convert(cls, child, microbatches, in_place)
+                 for name, child in module.named_children()}
+    changed = {name: c for name, c in converted.items() if c is not module._modules[name]}
+    if not changed:
         return module
+    owner = module if in_place else _shallow_copy(module)
+    for name, child in changed.items():
+        setattr(owner, name, child)
+    return owner
+
+
+def _deferred_copy(module: nn.Module, microbatches: int = 1) -> nn.Module:
+    """``module`` with its BatchNorms deferred, leaving ``module`` itself unchanged: a
+    BatchNorm becomes a new DeferredBatchNorm sharing its parameters and buffers, a
+    container holding one becomes a shallow copy holding the converted child; every
+    other module is returned as it is (the same object)."""
+    return _convert(DeferredBatchNorm, module, microbatches, in_place=False)
 
 
 def convert_deferred_batch_norm(module: nn.Module, microbatches: int = 1) -> nn.Module:
-    """Replaces every BatchNorm in ``module`` by a :class:`DeferredBatchNorm`."""
+    """Replaces every BatchNorm in ``module`` by a :class:`DeferredBatchNorm`, in place."""
     return DeferredBatchNorm.convert(module, microbatches)

@@ -1,4 +1,7 @@
 """The Pipe module: an nn.Sequential run as a GPipe pipeline by the C++ engine."""
+import operator
+import warnings
+from collections import OrderedDict
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -6,9 +9,9 @@ from torch import Tensor, nn
 
 from gpipe import _C
 from gpipe.balance import balance_by_params
-from gpipe.batchnorm import DeferredBatchNorm
+from gpipe.batchnorm import DeferredBatchNorm, _deferred_copy
 
-__all__ = ["Pipe", "GPipe"]
+__all__ = ["Pipe", "GPipe", "is_checkpointing", "is_recomputing"]
 
 Device = Union[torch.device, int, str]
 TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
@@ -19,6 +22,72 @@ _MOVING_DENIED = TypeError("denied to move parameters and buffers, because a gpi
                            "device placement itself; pass devices=[...] when you create it "
                            "(casting such as .double() or .to(torch.float16) is allowed)")
 
+_COMPILE_SEES_NOTHING = (
+    "torch.compile of a gpipe.Pipe (or of a model holding one) compiles none of the Pipe's "
+    "layers: the pipeline runs in C++, where dynamo cannot see it, so the layers run uncompiled "
+    "(results are unaffected). Call pipe.compile(...) (same arguments as torch.compile) to "
+    "compile each stage, which then runs compiled on its worker thread.")
+
+
+def is_checkpointing() -> bool:
+    """True while a layer runs in the first forward of a checkpointed
+    micro-batch, whose graph is not kept (it is recomputed before backward)."""
+    return _C.is_checkpointing()
+
+
+def is_recomputing() -> bool:
+    """True while a layer runs in the recompute of a checkpointed
+    micro-batch, just before its backward. A forward hook (or a layer's side
+    effect) that must happen once per micro-batch skips this pass."""
+    return _C.is_recomputing()
+
+
+def _is_bool(value: Any) -> bool:
+    # bool is an int to Python; numpy's and torch's bools carry a dtype.
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
+def _as_int(value: Any, what: str, fix: str) -> int:
+    """``value`` as a Python int if it is an integer (int, numpy or torch integer), else a
+    TypeError naming it: a float is refused rather than truncated."""
+    try:
+        if _is_bool(value):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__}); "
+                        f"{fix}") from None
+
+
+def _parse_chunks(chunks: Any) -> int:
+    chunks = _as_int(chunks, "chunks", "pass the number of micro-batches per mini-batch, "
+                     "e.g. chunks=4")
+    if chunks <= 0:
+        raise ValueError(f"number of chunks must be positive integer, got {chunks}; pass the "
+                         f"number of micro-batches per mini-batch, e.g. chunks=4")
+    return chunks
+
+
+def _parse_checkpoint(checkpoint: Any) -> str:
+    # As torchgpipe: anything that prints as a mode (an enum, say) is that mode.
+    mode = str(checkpoint)
+    if mode not in _CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', got "
+                         f"{mode!r}")
+    return mode
+
+
+def _parse_balance(balance: Any) -> List[int]:
+    if isinstance(balance, (str, bytes)) or not isinstance(balance, Iterable):
+        stages = balance if isinstance(balance, int) and not _is_bool(balance) else 2
+        raise TypeError(f"balance must be a list of layers per stage, e.g. [1, 1] for two "
+                        f"stages of one layer, got {balance!r}; to compute one for {stages} "
+                        f"stages, pass balance=gpipe.balance.balance_by_params({stages}, model) "
+                        f"(or balance_by_time / balance_by_size)")
+    balance = list(balance)
+    return [_as_int(x, f"balance[{i}]", f"balance is a list of whole numbers of layers per "
+                    f"stage, e.g. [2, 3] (got {balance!r})") for i, x in enumerate(balance)]
+
 
 def _check_balance(module: nn.Sequential, balance: List[int]) -> None:
     if len(module) != sum(balance):
@@ -28,6 +97,50 @@ def _check_balance(module: nn.Sequential, balance: List[int]) -> None:
     if any(x <= 0 for x in balance):
         raise ValueError(f"all balance numbers must be positive integer (balance: {balance}); "
                          f"see gpipe.balance to compute one")
+
+
+def _single_device(devices: Any) -> Optional[torch.device]:
+    """The device ``devices`` names when it is one device (every stage there), else None."""
+    if devices is None:
+        return None
+    if isinstance(devices, (str, torch.device)):
+        return _device(devices, "devices")
+    if not isinstance(devices, Iterable) or _is_bool(devices):
+        raise TypeError(f"devices must be a list with one device per stage, or one device for "
+                        f"every stage, got {devices!r} ({type(devices).__name__}); e.g. "
+                        f"devices=['cuda:0', 'cuda:1'] (ints are CUDA indices: devices=[0, 1]) "
+                        f"or devices='cpu'")
+    return None
+
+
+def _device(d: Any, what: str) -> torch.device:
+    if isinstance(d, int) and not isinstance(d, bool):
+        return torch.device("cuda", d)
+    try:
+        return torch.device(d)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{what} = {d!r} is not a device ({e}); pass a torch.device, a string "
+                         f"such as 'cpu' or 'cuda:1', or a CUDA index") from None
+
+
+def _check_available(devices: List[torch.device]) -> None:
+    """Refuses CUDA devices this machine lacks, before any layer moves (torch would say
+    'Found no NVIDIA driver' from deep inside .to())."""
+    cpu_fix = "devices=" + repr(["cpu"] * len(devices))
+    for i, d in enumerate(devices):
+        if d.type != "cuda":
+            continue
+        if not torch.cuda.is_available():
+            raise ValueError(f"devices[{i}] is {d}, but CUDA is not available here "
+                             f"(torch.cuda.is_available() is False); to run every stage on the "
+                             f"CPU, pass {cpu_fix} (or devices='cpu')")
+        count = torch.cuda.device_count()
+        if d.index is not None and not 0 <= d.index < count:
+            fix = repr([f"cuda:{k % count}" for k in range(len(devices))])
+            raise ValueError(f"devices[{i}] is {d}, but this machine has {count} CUDA "
+                             f"device{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1}); "
+                             f"pass devices that exist, e.g. devices={fix} (stages may share "
+                             f"a device)")
 
 
 def _check_distinct(module: nn.Sequential) -> None:
@@ -122,13 +235,16 @@ class Pipe(nn.Module):
     Args:
         module: the ``nn.Sequential`` to pipeline. Its layers become the
             Pipe's children under their own names, so ``state_dict()`` keys
-            are the Sequential's ("0.weight", ...).
-        balance: layers per stage, e.g. ``[2, 3]``. None: one stage per device,
-            balanced by parameter count (see :mod:`gpipe.balance` for balancing
-            by time or memory).
-        devices: one device per stage (extra ones are dropped). Default: all
-            CUDA devices, or the CPU for every stage when there is no CUDA.
-        chunks: micro-batches per mini-batch (default 1). A batch of ``rows``
+            are the Sequential's ("0.weight", ...). The Pipe runs the
+            Sequential's own layer objects (moved to their stage's device).
+        balance: layers per stage, a list of ints, e.g. ``[2, 3]``. None: one
+            stage per device, balanced by parameter count (see
+            :mod:`gpipe.balance` for balancing by time or memory).
+        devices: one device per stage (extra ones are dropped): torch.device,
+            string (``'cuda:1'``) or CUDA index. One device, not in a list
+            (``devices='cpu'``), puts every stage there. Default: all CUDA
+            devices, or the CPU for every stage when there is no CUDA.
+        chunks: micro-batches per mini-batch, an int (default 1). A batch of ``rows``
             rows is cut into ``chunks`` pieces whose sizes differ by at most
             one, the larger first (17 rows, ``chunks=16``: 2, then fifteen
             1s, as ``torch.tensor_split``); into ``rows`` one-row pieces when
@@ -145,19 +261,39 @@ class Pipe(nn.Module):
             int, else its first entry that is not ``None``. Each output keeps
             its own size along that dim, so outputs may have other row
             counts than the input.
-        checkpoint: ``'always'``, ``'except_last'`` (default) or ``'never'``:
-            which micro-batches keep only their stage inputs in forward and
-            recompute the rest before their backward.
-        deferred_batch_norm: replace BatchNorm layers by ones whose running
+        checkpoint: ``'always'``, ``'except_last'`` (default) or ``'never'``
+            (or anything whose ``str()`` is one): which micro-batches keep only
+            their stage inputs in forward and recompute the rest before their
+            backward.
+        deferred_batch_norm: run BatchNorm layers as ones whose running
             statistics are updated once per mini-batch (see
-            :class:`gpipe.batchnorm.DeferredBatchNorm`).
+            :class:`gpipe.batchnorm.DeferredBatchNorm`). The caller's
+            Sequential is left as it was: the Pipe runs converted copies of
+            its BatchNorms (and of the containers holding them), which share
+            the originals' weight, bias and running-statistics tensors.
         trace: record every forward, backward, recompute and copy from the
             start (see :attr:`trace` and :func:`gpipe.tracing`).
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``.
-        ValueError: bad ``balance``, ``chunks`` or ``checkpoint``.
+        TypeError: ``module`` is not an ``nn.Sequential``; ``balance`` is not
+            a list of ints, ``chunks`` not an int, ``devices`` an int.
+        ValueError: bad ``balance``, ``chunks`` or ``checkpoint`` values; a
+            device that is not one, or a CUDA device this machine lacks.
         IndexError: fewer devices than stages.
+
+    Checkpointed micro-batches run their layers twice (forward, then
+    recompute before backward), and so their forward hooks and pre-hooks,
+    as with ``torch.utils.checkpoint``: with ``chunks=4`` and
+    ``'except_last'`` a layer's hook fires 7 times per step. A hook that must
+    fire once per micro-batch returns early when :func:`gpipe.is_recomputing`.
+
+    ``copy.deepcopy(pipe)``, ``pickle`` and ``torch.save(pipe)`` /
+    ``torch.load(path, weights_only=False)`` give an independent Pipe with
+    the same options and copied layers (its trace starts empty).
+
+    ``torch.compile(pipe)`` compiles none of the layers (the pipeline runs in
+    C++, out of dynamo's sight) and warns; :meth:`compile` compiles each
+    stage, run compiled on its worker thread.
 
     Example::
 
@@ -182,55 +318,61 @@ class Pipe(nn.Module):
     checkpoint: str
 
     def __init__(self, module: nn.Sequential, balance: Optional[Iterable[int]] = None, *,
-                 devices: Optional[Iterable[Device]] = None, chunks: int = 1,
+                 devices: Optional[Union[Iterable[Device], Device]] = None, chunks: int = 1,
                  checkpoint: str = "except_last", batch_dim: BatchDim = 0,
                  output_batch_dim: Optional[BatchDim] = None, deferred_batch_norm: bool = False,
                  trace: bool = False) -> None:
+        """Cuts ``module`` into ``balance`` stages on ``devices`` and starts one
+        worker per stage; ``chunks`` micro-batches per mini-batch (cut along
+        dim 0 by default), ``checkpoint`` mode, ``deferred_batch_norm`` and
+        ``trace`` as described in the class docstring (``help(gpipe.Pipe)``),
+        which also lists the errors raised for bad arguments."""
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"module must be nn.Sequential to be partitioned, got "
                             f"{type(module).__name__}")
-        chunks = int(chunks)
-        if chunks <= 0:
-            raise ValueError(f"number of chunks must be positive integer, got {chunks}")
-        if checkpoint not in _CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', "
-                             f"got {checkpoint!r}")
+        chunks = _parse_chunks(chunks)
+        checkpoint = _parse_checkpoint(checkpoint)
         input_dims = _batch_dims(batch_dim, "batch_dim")
         output_dims = [] if output_batch_dim is None else _batch_dims(output_batch_dim,
                                                                       "output_batch_dim")
+        single = _single_device(devices)
         if len(module) == 0:
             # nn.Sequential() is the identity; so is its Pipe (torchgpipe's too).
             balance = [] if balance is None else balance
-            devices = [] if devices is None else devices
+            devices = [] if devices is None and single is None else devices
         elif balance is None:
             # One stage per device given (or per CUDA device), by parameter count.
+            if single is not None:
+                devices = [single]
             if devices is None and torch.cuda.is_available():
                 devices = range(torch.cuda.device_count())
             if devices is None:
                 raise ValueError("balance is None and there are no devices to count stages "
                                  "by; pass balance (layers per stage, see gpipe.balance to "
                                  "compute one) or devices (one per stage, e.g. ['cpu', 'cpu'])")
-            devices = list(devices)
+            devices = list(devices)  # type: ignore[arg-type]
             balance = balance_by_params(min(len(devices), len(module)), module)
-        balance = [int(x) for x in balance]
+        balance = _parse_balance(balance)
         _check_balance(module, balance)
         _check_distinct(module)
 
-        if devices is None:
+        if single is not None:
+            devices = [single] * len(balance)
+        elif devices is None:
             if torch.cuda.is_available():
                 devices = range(torch.cuda.device_count())
             else:
                 devices = ["cpu"] * len(balance)
-        devices = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
-                   for d in devices]
+        devices = [_device(d, f"devices[{i}]")
+                   for i, d in enumerate(devices)]  # type: ignore[union-attr, arg-type]
         if len(devices) < len(balance):
-            raise IndexError(f"too few devices to hold given partitions (devices: "
-                             f"{len(devices)}, partitions: {len(balance)})")
+            raise IndexError(f"too few devices to hold given partitions: got "
+                             f"{len(devices)} devices for {len(balance)} stages; pass one "
+                             f"device per stage, e.g. devices={['cpu'] * len(balance)!r}, or "
+                             f"one device for every stage, e.g. devices='cpu'")
         devices = devices[:len(balance)]
-
-        if deferred_batch_norm:
-            module = DeferredBatchNorm.convert(module, chunks)
+        _check_available(devices)
 
         self.balance = balance
         self.devices = devices
@@ -242,22 +384,53 @@ class Pipe(nn.Module):
 
         # The Sequential's own names: state_dict() keys read "0.weight".
         for name, layer in module.named_children():
+            if deferred_batch_norm:
+                layer = _deferred_copy(layer, chunks)
             self.add_module(name, layer)
-        layers = list(module)
-        partitions: List[List[nn.Module]] = []
-        offset = 0
-        for n, device in zip(balance, devices):
-            part = layers[offset:offset + n]
-            for layer in part:
-                layer.to(device)
-            partitions.append(part)
-            offset += n
-        self._layers = layers
+        self._layers: List[nn.Module] = list(self._modules.values())  # type: ignore[arg-type]
+        for layer, device in zip(self._layers, self._stage_devices()):
+            layer.to(device)
         self._deferred = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
-        self._engine = (_C.Engine(partitions, devices, chunks, checkpoint) if partitions
+        self._batch_dims = (input_dims, output_dims)
+        self._stages: Optional[List[nn.Module]] = None  # compiled stages, see compile()
+        self._build_engine(trace)
+
+    def _stage_devices(self) -> List[torch.device]:
+        """Each layer's device, in order."""
+        return [d for n, d in zip(self.balance, self.devices) for _ in range(n)]
+
+    def _partitions(self) -> List[List[nn.Module]]:
+        """Each stage's layers, in order."""
+        parts, offset = [], 0
+        for n in self.balance:
+            parts.append(self._layers[offset:offset + n])
+            offset += n
+        return parts
+
+    def _build_engine(self, trace: bool = False) -> None:
+        """Starts the C++ engine over the stages: the one place it is built, from
+        the Pipe's attributes (construction, copies, unpickling and compile())."""
+        parts = self._partitions() if self._stages is None else [[s] for s in self._stages]
+        self._engine = (_C.Engine(parts, self.devices, self.chunks, self.checkpoint) if parts
                         else _NoStages())
-        self._engine.set_batch_dims(input_dims, output_dims)
+        self._engine.set_batch_dims(*self._batch_dims)
         self._engine.tracing = bool(trace)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # The engine (threads, C++ state) is not copied: a copy or an unpickled
+        # Pipe builds its own from the layers and options. Compiled stages are
+        # dropped, as nn.Module's own state drops its compiled call.
+        state = super().__getstate__()
+        state.pop("_engine", None)
+        state["_stages"] = None
+        state["_tracing"] = self.tracing
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        trace = state.pop("_tracing", False)
+        super().__setstate__(state)
+        self._build_engine(trace)
 
     @property
     def tracing(self) -> bool:
@@ -286,10 +459,14 @@ class Pipe(nn.Module):
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._layers)
 
-    def __getitem__(self, index: int) -> nn.Module:
+    def __getitem__(self, index: Union[int, slice]) -> nn.Module:
+        """The layer at ``index``; a slice gives those layers as an
+        ``nn.Sequential`` (under their names), as ``nn.Sequential`` does."""
+        if isinstance(index, slice):
+            return nn.Sequential(OrderedDict(list(self._modules.items())[index]))
+        i = _as_int(index, "a Pipe's index", "index a Pipe with an int or a slice")
         n = len(self._layers)
-        i = index + n if index < 0 else index
-        if not 0 <= i < n:
+        if not -n <= i < n:
             raise IndexError(f"index {index} is out of range for a Pipe of {n} layers")
         return self._layers[i]
 
@@ -336,10 +513,39 @@ class Pipe(nn.Module):
             cast["memory_format"] = memory_format
         return super().to(**cast)
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Compiles each stage with ``torch.compile(stage, *args, **kwargs)``:
+        the stage's layers, run in order, become one compiled module, called
+        on that stage's worker thread in forward and in recompute.
+
+        ``torch.compile(pipe)`` cannot do this: the pipeline runs in C++,
+        where dynamo sees nothing. The layers themselves are unchanged (same
+        objects, parameters and ``state_dict()`` keys); a copy (deepcopy,
+        pickle) runs uncompiled, as with ``nn.Module.compile``. The recorded
+        trace starts afresh.
+
+        Example::
+
+            pipe = gpipe.Pipe(model, balance=[2, 2], chunks=4)
+            pipe.compile()                 # or pipe.compile(mode="max-autotune")
+        """
+        if not torch.cuda.is_available() and hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
+            # Without CUDA, dynamo installs a no-op CUDA device guard the first time it
+            # fakes tensors, and (torch 2.11) that guard dies with the thread that installed
+            # it: if that is a stage's worker, the next compile after this Pipe is gone
+            # segfaults. Installing it first here, on the caller's thread, avoids that.
+            torch._C._ensureCUDADeviceGuardSet()
+        self._stages = [torch.compile(nn.Sequential(*part), *args, **kwargs)
+                        for part in self._partitions()]
+        self._build_engine(self.tracing)
+
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
         """Runs ``input`` (a tensor, or a tuple of tensors handed to the first
-        layer as one tuple) through the pipeline. The output lives on the
-        last stage's device."""
+        layer as one tuple) through the pipeline, cut into micro-batches
+        along ``batch_dim`` (dim 0 by default). The output lives on the last
+        stage's device."""
+        if torch.compiler.is_compiling():
+            warnings.warn(_COMPILE_SEES_NOTHING, stacklevel=2)
         _check_input(input)
         if self._deferred and self.training:
             microbatches = self._engine.microbatches(input)
