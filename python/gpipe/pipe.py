@@ -185,6 +185,17 @@ class Pipe(nn.Module):
         self._engine.tracing = bool(on)
 
     @property
+    def trace_capacity(self) -> int:
+        """How many of the most recent events tracing keeps (default
+        100,000): past it, whole steps are dropped, oldest first (see
+        :class:`gpipe.Trace`). At least 1; setting it trims at once."""
+        return self._engine.trace_capacity
+
+    @trace_capacity.setter
+    def trace_capacity(self, events: int) -> None:
+        self._engine.trace_capacity = events
+
+    @property
     def trace(self) -> "_C.Trace":
         """What was recorded while :attr:`tracing` was on: ``.events`` (stage,
         micro-batch, phase, start, end, thread), ``.summary()`` (measured
