@@ -1,6 +1,8 @@
 // balance.cpp — the exact min-max contiguous partition, and balancing by parameter count.
 #include <gpipe/balance.h>
 
+#include "check.h"
+
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -10,14 +12,16 @@ namespace gpipe {
 
 std::vector<int64_t> balance_cost(const std::vector<double>& costs, int64_t partitions) {
   const auto n = static_cast<int64_t>(costs.size());
-  TORCH_CHECK(n >= 1, "nothing to balance: the model has no layers");
-  TORCH_CHECK(partitions >= 1, "partitions must be at least 1, got ", partitions);
-  TORCH_CHECK(partitions <= n, "cannot cut ", n, " layers into ", partitions,
-              " stages: every stage needs at least one layer; use at most ", n, " partitions");
+  GPIPE_CHECK_VALUE(n >= 1, "nothing to balance: the model has no layers");
+  GPIPE_CHECK_VALUE(partitions >= 1, "partitions must be at least 1, got ", partitions);
+  GPIPE_CHECK_VALUE(partitions <= n, "cannot cut ", detail::count(n, "layer"), " into ", partitions,
+                    " stages: every stage needs at least one layer; use at most ", n,
+                    n == 1 ? " partition" : " partitions");
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(std::isfinite(costs[static_cast<size_t>(i)]) && costs[static_cast<size_t>(i)] >= 0,
-                "cost of layer ", i, " is ", costs[static_cast<size_t>(i)],
-                "; costs must be finite and non-negative");
+    GPIPE_CHECK_VALUE(
+        std::isfinite(costs[static_cast<size_t>(i)]) && costs[static_cast<size_t>(i)] >= 0,
+        "cost of layer ", i, " is ", costs[static_cast<size_t>(i)],
+        "; costs must be finite and non-negative");
   }
   // Stage costs are differences of one prefix-sum table, so the same stage
   // always costs exactly the same: comparisons below are exact.

@@ -1,6 +1,7 @@
 // engine.cpp — forward half on the workers, autograd wiring, backward half (with the CUDA deadlock rule).
 #include "engine.h"
 
+#include "check.h"
 #include "pipe_backward.h"
 
 #include <ATen/ThreadLocalState.h>
@@ -85,7 +86,7 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
 }
 
 void Engine::set_batch_dims(BatchDims input, BatchDims output) {
-  TORCH_CHECK_VALUE(!input.empty(), "batch_dim is empty; give one entry for all input values "
+  GPIPE_CHECK_VALUE(!input.empty(), "batch_dim is empty; give one entry for all input values "
                     "(0 by default) or one per value");
   if (output.empty()) {
     std::optional<int64_t> dim = 0;

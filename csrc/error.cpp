@@ -1,5 +1,7 @@
-// error.cpp — CellError: the layer's message, prefixed with where it happened.
+// error.cpp — gpipe's exceptions: CellError (a layer's message, prefixed with where it happened), bad arguments.
 #include <gpipe/error.h>
+
+#include "check.h"
 
 namespace gpipe {
 
@@ -28,5 +30,23 @@ CellError::CellError(int64_t stage, int64_t microbatch, std::string phase,
       microbatch_(microbatch),
       phase_(std::move(phase)),
       original_(std::move(original)) {}
+
+namespace detail {
+
+// The base constructor with no backtrace: what() is the message alone (see
+// check.h).
+void throw_value_error(std::string message) {
+  throw c10::ValueError(std::move(message), /*backtrace=*/nullptr);
+}
+
+void throw_index_error(std::string message) {
+  throw c10::IndexError(std::move(message), /*backtrace=*/nullptr);
+}
+
+std::string count(int64_t n, const char* noun) {
+  return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
+}
+
+}  // namespace detail
 
 }  // namespace gpipe

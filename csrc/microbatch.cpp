@@ -1,6 +1,8 @@
 // microbatch.cpp — scatter along each value's batch dim into near-equal pieces, gather by concatenation, grads alike.
 #include "microbatch.h"
 
+#include "check.h"
+
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/zeros.h>
@@ -15,7 +17,7 @@ namespace {
 // The entry of `dims` for value `v` of `count` (one entry serves them all).
 std::optional<int64_t> entry(const BatchDims& dims, size_t v, size_t count, const char* values,
                              const char* option) {
-  TORCH_CHECK_VALUE(dims.size() == 1 || dims.size() == count, option, " has ", dims.size(),
+  GPIPE_CHECK_VALUE(dims.size() == 1 || dims.size() == count, option, " has ", dims.size(),
                     " entries but the ", values, " has ", count,
                     " values; give one entry per value, or a single entry for all of them");
   return dims.size() == 1 ? dims.front() : dims[v];
@@ -25,7 +27,7 @@ std::optional<int64_t> entry(const BatchDims& dims, size_t v, size_t count, cons
 int64_t resolved(int64_t dim, const at::Tensor& t, const char* option, const char* what,
                  size_t v) {
   const int64_t n = t.dim();
-  TORCH_CHECK_INDEX(dim >= -n && dim < n, option, " ", dim, " is out of range for ", what, " ", v,
+  GPIPE_CHECK_INDEX(dim >= -n && dim < n, option, " ", dim, " is out of range for ", what, " ", v,
                     " of shape ", t.sizes(), " (", n, " dimensions); give a dim in [", -n, ", ", n,
                     ") for it, or None (std::nullopt) to not cut it");
   return dim < 0 ? dim + n : dim;
@@ -34,7 +36,7 @@ int64_t resolved(int64_t dim, const at::Tensor& t, const char* option, const cha
 }  // namespace
 
 std::vector<int64_t> microbatch_sizes(int64_t rows, int64_t chunks) {
-  TORCH_CHECK_VALUE(chunks >= 1, "chunks must be at least 1, got ", chunks);
+  GPIPE_CHECK_VALUE(chunks >= 1, "chunks must be at least 1, got ", chunks);
   if (rows <= 0) return {0};
   const int64_t n = std::min(rows, chunks);
   std::vector<int64_t> sizes(static_cast<size_t>(n), rows / n);
@@ -43,19 +45,19 @@ std::vector<int64_t> microbatch_sizes(int64_t rows, int64_t chunks) {
 }
 
 Scattered scatter(const Batch& batch, int64_t chunks, const BatchDims& dims) {
-  TORCH_CHECK_VALUE(chunks >= 1, "chunks must be at least 1, got ", chunks);
-  TORCH_CHECK_VALUE(!batch.values.empty(), "the Pipe got no input tensors; pass at least one");
+  GPIPE_CHECK_VALUE(chunks >= 1, "chunks must be at least 1, got ", chunks);
+  GPIPE_CHECK_VALUE(!batch.values.empty(), "the Pipe got no input tensors; pass at least one");
   Scattered out;
   out.cuts.resize(batch.size());
   int64_t rows = -1;
   size_t first = 0;
   for (size_t v = 0; v < batch.size(); ++v) {
     const auto& t = batch[v];
-    TORCH_CHECK_VALUE(t.defined(), "input ", v, " is an undefined tensor");
+    GPIPE_CHECK_VALUE(t.defined(), "input ", v, " is an undefined tensor");
     const auto dim = entry(dims, v, batch.size(), "input", "batch_dim");
     if (!dim) continue;  // shared by every micro-batch
     if (t.dim() == 0) {
-      TORCH_CHECK_VALUE(chunks == 1, "input ", v, " is 0-dimensional, so it has no batch "
+      GPIPE_CHECK_VALUE(chunks == 1, "input ", v, " is 0-dimensional, so it has no batch "
                         "dimension to cut into ", chunks, " micro-batches; mark it not cut "
                         "(batch_dim entry None, std::nullopt in C++) or use chunks=1");
       continue;
@@ -66,7 +68,7 @@ Scattered scatter(const Batch& batch, int64_t chunks, const BatchDims& dims) {
       rows = t.size(d);
       first = v;
     }
-    TORCH_CHECK_VALUE(t.size(d) == rows, "input ", v, " has ", t.size(d), " rows along dim ", d,
+    GPIPE_CHECK_VALUE(t.size(d) == rows, "input ", v, " has ", t.size(d), " rows along dim ", d,
                       " but input ", first, " has ", rows, " along dim ", *out.cuts[first].dim,
                       "; every cut input needs the same batch size (see batch_dim)");
   }
@@ -135,7 +137,7 @@ Batch gather(const std::vector<Batch>& microbatches, const BatchDims& dims,
       const auto& t = microbatches[i][v];
       TORCH_CHECK(t.defined(), "output ", v, " of micro-batch ", i,
                   " is undefined but other micro-batches gave a tensor there");
-      TORCH_CHECK_VALUE(t.dim() >= 1, "output ", v, " of micro-batch ", i, " is 0-dimensional; "
+      GPIPE_CHECK_VALUE(t.dim() >= 1, "output ", v, " of micro-batch ", i, " is 0-dimensional; "
                         "with several micro-batches the Pipe joins each output along its batch "
                         "dim (output_batch_dim), so it needs one. A per-batch reduction (a loss) "
                         "belongs after the Pipe; otherwise mark the output not joined "

@@ -3,6 +3,7 @@
 
 #include <gpipe/balance.h>
 
+#include "check.h"
 #include "engine.h"
 #include "microbatch.h"
 #include "stage.h"
@@ -63,31 +64,31 @@ std::vector<c10::Device> default_devices(size_t stages) {
 
 PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
     : sequential_(std::move(sequential)), options_(std::move(options)) {
-  TORCH_CHECK(!sequential_.is_empty(), "gpipe::Pipe needs a Sequential, got an empty holder");
+  GPIPE_CHECK_VALUE(!sequential_.is_empty(), "gpipe::Pipe needs a Sequential, got an empty holder");
   const auto layers = static_cast<int64_t>(sequential_->size());
-  TORCH_CHECK(layers > 0, "the Sequential has no layers; give the Pipe at least one layer");
+  GPIPE_CHECK_VALUE(layers > 0, "the Sequential has no layers; give the Pipe at least one layer");
 
   std::unordered_map<const torch::nn::Module*, int64_t> seen;
   for (int64_t i = 0; i < layers; ++i) {
     const auto* module = sequential_->ptr(static_cast<size_t>(i)).get();
     auto [it, inserted] = seen.emplace(module, i);
-    TORCH_CHECK(inserted, "layer ", i, " is the same module object as layer ", it->second,
-                "; each layer of a Pipe must be its own module (its stage owns it), so use a "
-                "separate instance, e.g. a clone()");
+    GPIPE_CHECK_VALUE(inserted, "layer ", i, " is the same module object as layer ", it->second,
+                      "; each layer of a Pipe must be its own module (its stage owns it), so use a "
+                      "separate instance, e.g. a clone()");
   }
 
-  TORCH_CHECK(options_.chunks() >= 1, "chunks must be at least 1, got ", options_.chunks(),
-              "; it is the number of micro-batches per mini-batch");
+  GPIPE_CHECK_VALUE(options_.chunks() >= 1, "chunks must be at least 1, got ", options_.chunks(),
+                    "; it is the number of micro-batches per mini-batch");
 
   if (options_.balance().empty()) {
     // One stage per device given (or per CUDA device), balanced for them.
     auto devices = options_.devices().empty() && torch::cuda::is_available()
                        ? default_devices(0)
                        : options_.devices();
-    TORCH_CHECK(!devices.empty(),
-                "balance is empty and there are no devices to count stages by; pass "
-                "PipeOptions().balance({...}) (layers per stage) or .devices({...}) (one per "
-                "stage, e.g. {torch::kCPU, torch::kCPU}) to have a balance computed");
+    GPIPE_CHECK_VALUE(!devices.empty(),
+                      "balance is empty and there are no devices to count stages by; pass "
+                      "PipeOptions().balance({...}) (layers per stage) or .devices({...}) (one per "
+                      "stage, e.g. {torch::kCPU, torch::kCPU}) to have a balance computed");
     const auto stages = std::min<int64_t>(static_cast<int64_t>(devices.size()), layers);
     options_.balance(options_.sample().defined()
                          ? balance_by_time(stages, sequential_, options_.sample(),
@@ -97,20 +98,21 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
   auto& balance = options_.balance();
   int64_t total = 0;
   for (size_t j = 0; j < balance.size(); ++j) {
-    TORCH_CHECK(balance[j] >= 1, "balance ", listed(balance), " gives stage ", j, " ", balance[j],
-                " layers; every stage needs at least 1 layer");
+    GPIPE_CHECK_VALUE(balance[j] >= 1, "balance ", listed(balance), " gives stage ", j, " ",
+                      detail::count(balance[j], "layer"), "; every stage needs at least 1 layer");
     total += balance[j];
   }
-  TORCH_CHECK(total == layers, "balance ", listed(balance), " sums to ", total,
-              " but the Sequential has ", layers, " layers; pass one entry per stage summing to ",
-              layers);
+  GPIPE_CHECK_VALUE(total == layers, "balance ", listed(balance), " sums to ", total,
+                    " but the Sequential has ", detail::count(layers, "layer"),
+                    "; pass one entry per stage summing to ", layers);
   const size_t stages = balance.size();
 
   if (options_.devices().empty()) options_.devices(default_devices(stages));
   auto& devices = options_.devices();
-  TORCH_CHECK(devices.size() >= stages, "balance ", listed(balance), " asks for ", stages,
-              " stages but only ", devices.size(), " devices are given ", listed(devices),
-              "; pass at least one device per stage, or fewer stages");
+  GPIPE_CHECK_INDEX(devices.size() >= stages, "balance ", listed(balance), " asks for ", stages,
+                    " stages but only ", detail::count(static_cast<int64_t>(devices.size()), "device"),
+                    devices.size() == 1 ? " is" : " are", " given ", listed(devices),
+                    "; pass at least one device per stage, or fewer stages");
   devices.erase(devices.begin() + static_cast<std::ptrdiff_t>(stages), devices.end());
 
   // Adopt the layers under the Sequential's own names, so parameters and
@@ -132,6 +134,7 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
   engine_ = std::make_shared<detail::Engine>(std::move(parts), devices, options_.chunks(),
                                              options_.checkpoint());
   engine_->set_batch_dims(options_.batch_dim(), options_.output_batch_dim());
+  engine_->tracer().set_capacity(options_.trace_capacity());
   engine_->tracer().enable(options_.trace());
 }
 
@@ -139,7 +142,7 @@ PipeImpl::~PipeImpl() = default;
 
 torch::Tensor PipeImpl::forward(const torch::Tensor& input) {
   auto out = engine_->forward(detail::Batch(input), is_training());
-  TORCH_CHECK(out.atomic && out.size() == 1, "the Pipe's last layer returned ", out.size(),
+  GPIPE_CHECK_VALUE(out.atomic && out.size() == 1, "the Pipe's last layer returned ", out.size(),
               " tensors; call forward_tuple to get them all");
   return out[0];
 }
@@ -167,7 +170,8 @@ void PipeImpl::clear_trace() { engine_->tracer().clear(); }
 size_t PipeImpl::size() const noexcept { return sequential_->size(); }
 
 std::shared_ptr<torch::nn::Module> PipeImpl::ptr(size_t index) const {
-  TORCH_CHECK(index < size(), "index ", index, " is out of range for a Pipe of ", size(), " layers");
+  GPIPE_CHECK_INDEX(index < size(), "index ", index, " is out of range for a Pipe of ",
+                    detail::count(static_cast<int64_t>(size()), "layer"));
   return sequential_->ptr(index);
 }
 
@@ -176,7 +180,7 @@ void PipeImpl::to(torch::Device device, torch::Dtype /*dtype*/, bool /*non_block
 }
 
 void PipeImpl::to(torch::Device device, bool /*non_blocking*/) {
-  TORCH_CHECK(false, "a Pipe keeps each stage on its own device ", listed(devices()),
+  GPIPE_CHECK_VALUE(false, "a Pipe keeps each stage on its own device ", listed(devices()),
               " and cannot be moved as a whole to ", device,
               "; choose devices with PipeOptions().devices(...), or cast with to(dtype)");
 }

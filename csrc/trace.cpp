@@ -1,6 +1,8 @@
 // trace.cpp — recording events, and what a trace says: Chrome JSON, bubble, busy time.
 #include "trace.h"
 
+#include "check.h"
+
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
@@ -186,7 +188,7 @@ void Tracer::record(int64_t step, int64_t stage, int64_t microbatch, TracePhase 
   e.start_us = Micro(start - origin_).count();
   e.end_us = Micro(end - origin_).count();
   std::lock_guard<std::mutex> hold(mutex_);
-  events_.push_back(e);
+  keep(e);
 }
 
 void Tracer::record(int64_t step, int64_t stage, int64_t microbatch, TracePhase phase,
@@ -221,7 +223,6 @@ void Tracer::resolve(bool wait) const {
   for (const auto& device : devices) references.push_back(reference(device));
 
   std::vector<Pending> still;
-  const size_t before = events_.size();
   for (size_t p = 0; p < pending_.size(); ++p) {
     auto& item = pending_[p];
     if (!done[p]) {
@@ -237,24 +238,80 @@ void Tracer::resolve(bool wait) const {
     TraceEvent e = item.event;
     e.start_us = Micro(ref.host - origin_).count() - to_ref_us;
     e.end_us = e.start_us + length_us;
-    events_.push_back(e);
+    keep(e);
   }
   pending_ = std::move(still);
-  if (events_.size() > before) {
-    std::stable_sort(events_.begin(), events_.end(),
-                     [](const TraceEvent& a, const TraceEvent& b) { return a.end_us < b.end_us; });
+  // At least one event was resolved (kept, or dropped with its step).
+  std::stable_sort(events_.begin(), events_.end(),
+                   [](const TraceEvent& a, const TraceEvent& b) { return a.end_us < b.end_us; });
+}
+
+void Tracer::keep(const TraceEvent& e) const {
+  if (e.step <= dropped_through_) {
+    ++dropped_;
+    return;
   }
+  events_.push_back(e);
+  ++per_step_[e.step];
+  trim();
+}
+
+void Tracer::trim() const {
+  while (events_.size() > capacity_) {
+    const auto oldest = per_step_.begin();
+    if (per_step_.size() == 1) {
+      // The newest step alone is over the capacity: keep its newest events.
+      const auto excess = events_.size() - capacity_;
+      events_.erase(events_.begin(), events_.begin() + static_cast<std::ptrdiff_t>(excess));
+      oldest->second -= static_cast<int64_t>(excess);
+      dropped_ += static_cast<int64_t>(excess);
+      return;
+    }
+    // Steps mostly end in order, so the oldest step's events are mostly at
+    // the front; a forward of the next step may have ended in between.
+    const int64_t step = oldest->first;
+    int64_t left = oldest->second;
+    while (left > 0 && events_.front().step == step) {
+      events_.pop_front();
+      --left;
+    }
+    if (left > 0) {
+      const auto from = std::remove_if(events_.begin(), events_.end(),
+                                       [&](const TraceEvent& e) { return e.step == step; });
+      events_.erase(from, events_.end());
+    }
+    dropped_ += oldest->second;
+    dropped_through_ = std::max(dropped_through_, step);
+    per_step_.erase(oldest);
+  }
+}
+
+void Tracer::set_capacity(int64_t events) {
+  GPIPE_CHECK_VALUE(events >= 1, "the trace capacity must be at least 1 event, got ", events,
+                    "; it is how many of the most recent events a Pipe keeps (default ",
+                    kDefaultTraceCapacity, ")");
+  std::lock_guard<std::mutex> hold(mutex_);
+  capacity_ = static_cast<size_t>(events);
+  trim();
+}
+
+int64_t Tracer::capacity() const {
+  std::lock_guard<std::mutex> hold(mutex_);
+  return static_cast<int64_t>(capacity_);
 }
 
 Trace Tracer::snapshot() const {
   std::lock_guard<std::mutex> hold(mutex_);
   resolve(/*wait=*/true);
-  return Trace{events_};
+  return Trace{std::vector<TraceEvent>(events_.begin(), events_.end()), dropped_};
 }
 
 void Tracer::clear() {
   std::lock_guard<std::mutex> hold(mutex_);
   events_.clear();
+  per_step_.clear();
+  dropped_ = 0;
+  dropped_through_ = -1;
   pending_.clear();
   next_resolve_ = 4096;
   steps_.store(0, std::memory_order_relaxed);

@@ -1,4 +1,4 @@
-// trace.h — the recorder behind gpipe::Trace: one cheap check when off, a locked append when on.
+// trace.h — the recorder behind gpipe::Trace: one cheap check when off, a locked append to a bounded window when on.
 #pragma once
 
 #include <gpipe/trace.h>
@@ -9,6 +9,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -39,6 +41,10 @@ namespace gpipe::detail {
 ///   it after the steps you want to see), and, to bound what is pending, in
 ///   `record` once many completed pairs have piled up (only those already
 ///   complete; that costs one short wait for a new reference).
+///
+/// The kept events are a window of whole steps, at most `capacity()` events
+/// (see gpipe::Trace): appending past it drops the oldest step's events
+/// (mostly at the front, so dropping costs about what appending did).
 class Tracer {
  public:
   using Clock = std::chrono::steady_clock;
@@ -49,6 +55,11 @@ class Tracer {
 
   bool enabled() const noexcept { return enabled_.load(std::memory_order_relaxed); }
   void enable(bool on) noexcept { enabled_.store(on, std::memory_order_relaxed); }
+
+  /// Keeps at most `events` events from now on (dropping the oldest steps
+  /// at once if more are kept). Throws c10::ValueError when `events` < 1.
+  void set_capacity(int64_t events);
+  int64_t capacity() const;
 
   /// The number of the forward call starting now.
   int64_t next_step() noexcept { return steps_.fetch_add(1, std::memory_order_relaxed); }
@@ -81,12 +92,25 @@ class Tracer {
   /// Resolves the pending events whose end has completed (all of them when
   /// `wait`, after waiting for each). Called with `mutex_` held.
   void resolve(bool wait) const;
+  /// Keeps `e`, or drops it if its step was dropped already; then trims the
+  /// window to the capacity. Called with `mutex_` held.
+  void keep(const TraceEvent& e) const;
+  /// Drops steps, oldest first, until at most `capacity_` events are kept.
+  /// Called with `mutex_` held.
+  void trim() const;
 
   const Clock::time_point origin_;
   std::atomic<bool> enabled_{false};
   std::atomic<int64_t> steps_{0};
   mutable std::mutex mutex_;
-  mutable std::vector<TraceEvent> events_;
+  mutable std::deque<TraceEvent> events_;
+  /// Per step: how many of its events `events_` holds.
+  mutable std::map<int64_t, int64_t> per_step_;
+  /// Events recorded and then dropped (or dropped on arrival).
+  mutable int64_t dropped_ = 0;
+  /// Steps up to this one were dropped: their late events are dropped too.
+  mutable int64_t dropped_through_ = -1;
+  size_t capacity_ = static_cast<size_t>(kDefaultTraceCapacity);
   mutable std::vector<Pending> pending_;
   /// `record` tries to resolve when this many are pending.
   mutable size_t next_resolve_ = 4096;

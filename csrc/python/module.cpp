@@ -148,18 +148,34 @@ one per value, None for a value not cut; an empty output list follows input.)doc
           py::call_guard<py::gil_scoped_release>())
       .def(
           "clear_trace", [](PyEngine& e) { e.tracer().clear(); },
-          "Forgets the recorded events; the next forward is step 0.");
+          "Forgets the recorded events; the next forward is step 0.")
+      .def_property(
+          "trace_capacity", [](PyEngine& e) { return e.tracer().capacity(); },
+          [](PyEngine& e, int64_t events) { e.tracer().set_capacity(events); },
+          "The most recent events tracing keeps, whole steps (see Trace); at least 1.");
 
-  py::class_<gpipe::TraceEvent>(m, "TraceEvent", "One executed cell (or copy): host times on CPU, device events on an accelerator.")
-      .def_readonly("step", &gpipe::TraceEvent::step)
-      .def_readonly("stage", &gpipe::TraceEvent::stage)
-      .def_readonly("microbatch", &gpipe::TraceEvent::microbatch)
+  py::class_<gpipe::TraceEvent>(m, "TraceEvent", R"doc(One executed action: a cell (one stage's
+forward, recompute or backward of one micro-batch) or a copy of a stage's input from another
+device. Times are microseconds on the host's steady clock since the Pipe was built: a CPU
+stage's actions are timed on the host; an accelerator stage's by events on its stream (when the
+device ran the work, not when the host queued it), placed on the host timeline.)doc")
+      .def_readonly("step", &gpipe::TraceEvent::step,
+                    "The forward call it belongs to (0, 1, ... since tracing started or the "
+                    "trace was cleared); a backward belongs to the step of its forward.")
+      .def_readonly("stage", &gpipe::TraceEvent::stage, "Index of the stage that ran it.")
+      .def_readonly("microbatch", &gpipe::TraceEvent::microbatch,
+                    "Index of the micro-batch within its step (0: the first rows).")
       .def_property_readonly(
           "phase", [](const gpipe::TraceEvent& e) { return std::string(gpipe::to_string(e.phase)); },
-          "'forward', 'backward', 'recompute' or 'copy'.")
-      .def_readonly("start_us", &gpipe::TraceEvent::start_us)
-      .def_readonly("end_us", &gpipe::TraceEvent::end_us)
-      .def_readonly("thread", &gpipe::TraceEvent::thread)
+          "'forward', 'backward', 'recompute' (a checkpointed cell's forward again, just "
+          "before its backward) or 'copy'.")
+      .def_readonly("start_us", &gpipe::TraceEvent::start_us,
+                    "When it started, in microseconds since the Pipe was built.")
+      .def_readonly("end_us", &gpipe::TraceEvent::end_us,
+                    "When it ended, in microseconds since the Pipe was built (>= start_us).")
+      .def_readonly("thread", &gpipe::TraceEvent::thread,
+                    "A small number per OS thread (the stage's worker, or the caller's thread "
+                    "where a backward runs inline), numbered across the process.")
       .def("__repr__", [](const gpipe::TraceEvent& e) {
         return "TraceEvent(step=" + std::to_string(e.step) + ", stage=" + std::to_string(e.stage) +
                ", microbatch=" + std::to_string(e.microbatch) + ", phase='" +
@@ -168,26 +184,46 @@ one per value, None for a value not cut; an empty output list follows input.)doc
                ")";
       });
 
-  py::class_<gpipe::TraceSummary>(m, "TraceSummary",
-                                  "The measured bubble against GPipe's ideal, busy time per stage.")
-      .def_readonly("stages", &gpipe::TraceSummary::stages)
-      .def_readonly("microbatches", &gpipe::TraceSummary::microbatches)
-      .def_readonly("steps", &gpipe::TraceSummary::steps)
-      .def_readonly("busy_us", &gpipe::TraceSummary::busy_us)
-      .def_readonly("span_us", &gpipe::TraceSummary::span_us)
-      .def_readonly("bubble", &gpipe::TraceSummary::bubble)
-      .def_readonly("ideal_bubble", &gpipe::TraceSummary::ideal_bubble)
+  py::class_<gpipe::TraceSummary>(m, "TraceSummary", R"doc(The measured bubble against GPipe's
+ideal, and busy time per stage. Each step has two halves, forward (forward events) and backward
+(recompute and backward events); a half's span runs from its first event's start to its last
+event's end. Copies count toward no stage's busy time.)doc")
+      .def_readonly("stages", &gpipe::TraceSummary::stages,
+                    "Stages seen in the trace (highest stage index + 1).")
+      .def_readonly("microbatches", &gpipe::TraceSummary::microbatches,
+                    "The most micro-batches any step had.")
+      .def_readonly("steps", &gpipe::TraceSummary::steps, "Steps with events in the trace.")
+      .def_readonly("busy_us", &gpipe::TraceSummary::busy_us,
+                    "Per stage: microseconds spent in forward, recompute and backward events.")
+      .def_readonly("span_us", &gpipe::TraceSummary::span_us,
+                    "Sum of the spans of every half of every step, in microseconds (the gaps "
+                    "between halves, the caller's own code, are left out).")
+      .def_readonly("bubble", &gpipe::TraceSummary::bubble,
+                    "The measured idle share of the stages' time inside the spans: "
+                    "1 - sum(busy_us) / (stages * span_us). Includes fill and drain, imbalance "
+                    "between stages and the engine's overhead between cells.")
+      .def_readonly("ideal_bubble", &gpipe::TraceSummary::ideal_bubble,
+                    "GPipe's bubble for balanced stages and free hand-offs: (K-1)/(M+K-1), "
+                    "K = stages, M = microbatches.")
       .def("__str__", &gpipe::TraceSummary::to_string);
 
-  py::class_<gpipe::Trace>(m, "Trace", "What a Pipe ran while tracing was on.")
+  py::class_<gpipe::Trace>(m, "Trace", R"doc(What a Pipe ran while tracing was on: its events, in
+the order they ended. A Pipe keeps at most its trace capacity of the most recent events
+(default 100,000; Pipe.trace_capacity), dropping whole steps, oldest first, so summary()
+measures complete steps; `dropped` counts the events no longer kept.)doc")
       .def(py::init<>())
-      .def_readwrite("events", &gpipe::Trace::events)
+      .def_readwrite("events", &gpipe::Trace::events, "The kept events (list of TraceEvent).")
+      .def_readwrite("dropped", &gpipe::Trace::dropped,
+                     "Events recorded but no longer kept (oldest steps beyond the capacity).")
       .def("to_chrome_json", &gpipe::Trace::to_chrome_json,
            "Chrome trace event JSON (chrome://tracing, ui.perfetto.dev): a row per stage.")
       .def("save_chrome_json", &gpipe::Trace::save_chrome_json, py::arg("path"),
            "Writes to_chrome_json() to path.")
-      .def("summary", &gpipe::Trace::summary, "The measured bubble and busy time per stage.")
+      .def("summary", &gpipe::Trace::summary,
+           "The measured bubble against GPipe's ideal and busy time per stage (a TraceSummary).")
       .def("__len__", [](const gpipe::Trace& t) { return t.events.size(); });
+
+  m.attr("DEFAULT_TRACE_CAPACITY") = gpipe::kDefaultTraceCapacity;
 
   py::class_<gpipe::python::PyMemoryCounter>(
       m, "MemoryCounter",

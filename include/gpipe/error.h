@@ -1,4 +1,4 @@
-// error.h — the exception a failed cell raises: the original error, with stage and micro-batch.
+// error.h — what gpipe throws: CellError for a failed cell; c10's ValueError/IndexError, message only, for bad arguments.
 #pragma once
 
 #include <c10/util/Exception.h>
@@ -8,6 +8,14 @@
 #include <string>
 
 namespace gpipe {
+
+// Bad arguments (a balance that does not sum to the layers, chunks < 1, too
+// few devices, ...) throw c10::ValueError, or c10::IndexError for a count or
+// an index out of range, when the Pipe is built or the function called. Their
+// what() is the message alone, naming the value and the fix, e.g. "balance
+// {3, 4} sums to 7 but the Sequential has 8 layers; pass one entry per stage
+// summing to 8": no source location, no C++ backtrace. Both derive from
+// c10::Error; in Python they are ValueError and IndexError.
 
 /// Raised by `Pipe::forward` and by `backward()` through a Pipe when a layer
 /// throws. `what()` reads "gpipe: stage 1, micro-batch 2, backward: <original

@@ -1,6 +1,7 @@
 // gpipe.h — umbrella header: everything a LibTorch user needs to pipeline a Sequential.
 #pragma once
 
+#include <gpipe/balance.h>
 #include <gpipe/error.h>
 #include <gpipe/options.h>
 #include <gpipe/phase.h>

@@ -1,6 +1,8 @@
 // options.h — how a Pipe cuts a model and a batch: balance, devices, chunks, checkpoint.
 #pragma once
 
+#include <gpipe/trace.h>
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <torch/arg.h>
@@ -80,6 +82,9 @@ struct PipeOptions {
   /// Record every cell from the start (see `PipeImpl::trace`); tracing can
   /// also be switched on and off later with `PipeImpl::set_tracing`.
   TORCH_ARG(bool, trace) = false;
+  /// The most recent events tracing keeps (whole steps; see gpipe::Trace).
+  /// At least 1.
+  TORCH_ARG(int64_t, trace_capacity) = kDefaultTraceCapacity;
 };
 
 }  // namespace gpipe

@@ -14,9 +14,10 @@ class Engine:
     tracing: bool
     def trace(self) -> "Trace": ...
     def clear_trace(self) -> None: ...
+    trace_capacity: int
 
 class TraceEvent:
-    """One executed cell (or cross-device copy), timed on the host."""
+    """One executed cell (or cross-device copy); times in µs since the Pipe was built."""
 
     step: int
     stage: int
@@ -41,11 +42,14 @@ class Trace:
     """What a Pipe ran while tracing was on."""
 
     events: List[TraceEvent]
+    dropped: int
     def __init__(self) -> None: ...
     def to_chrome_json(self) -> str: ...
     def save_chrome_json(self, path: str) -> None: ...
     def summary(self) -> TraceSummary: ...
     def __len__(self) -> int: ...
+
+DEFAULT_TRACE_CAPACITY: int
 
 def is_checkpointing() -> bool:
     """True inside the first forward of a checkpointed micro-batch (no graph kept).

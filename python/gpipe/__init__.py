@@ -9,10 +9,10 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from gpipe import balance
 from gpipe.pipe import GPipe, Pipe, is_checkpointing, is_recomputing
-from gpipe.trace import Trace, plot_timeline, tracing
+from gpipe.trace import Trace, TraceEvent, TraceSummary, plot_timeline, tracing
 
 __all__ = [
-    "Pipe", "GPipe", "Trace", "balance", "is_checkpointing", "is_recomputing", "plot_timeline",
-    "tracing",
+    "Pipe", "GPipe", "Trace", "TraceEvent", "TraceSummary", "balance", "is_checkpointing",
+    "is_recomputing", "plot_timeline", "tracing",
 ]
 __version__ = "0.1.0"

@@ -195,6 +195,7 @@ class _NoStages:
 
     def __init__(self) -> None:
         self.tracing = False
+        self.trace_capacity = _C.DEFAULT_TRACE_CAPACITY
 
     def set_batch_dims(self, input: List[Optional[int]], output: List[Optional[int]]) -> None:
         pass
@@ -424,13 +425,17 @@ class Pipe(nn.Module):
         state.pop("_engine", None)
         state["_stages"] = None
         state["_tracing"] = self.tracing
+        state["_trace_capacity"] = self.trace_capacity
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
         trace = state.pop("_tracing", False)
+        capacity = state.pop("_trace_capacity", None)
         super().__setstate__(state)
         self._build_engine(trace)
+        if capacity is not None:
+            self.trace_capacity = capacity
 
     @property
     def tracing(self) -> bool:
@@ -440,6 +445,17 @@ class Pipe(nn.Module):
     @tracing.setter
     def tracing(self, on: bool) -> None:
         self._engine.tracing = bool(on)
+
+    @property
+    def trace_capacity(self) -> int:
+        """How many of the most recent events tracing keeps (default
+        100,000): past it, whole steps are dropped, oldest first (see
+        :class:`gpipe.Trace`). At least 1; setting it trims at once."""
+        return self._engine.trace_capacity
+
+    @trace_capacity.setter
+    def trace_capacity(self, events: int) -> None:
+        self._engine.trace_capacity = events
 
     @property
     def trace(self) -> "_C.Trace":

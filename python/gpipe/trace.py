@@ -7,6 +7,16 @@ Example::
     print(trace.summary())                 # measured bubble vs (K-1)/(M+K-1)
     trace.save_chrome_json("trace.json")   # chrome://tracing or ui.perfetto.dev
     gpipe.plot_timeline(trace, "timeline.png")
+
+A trace is bounded: a Pipe keeps the most recent :attr:`Pipe.trace_capacity
+<gpipe.Pipe.trace_capacity>` events (default :data:`DEFAULT_TRACE_CAPACITY`,
+100,000, about 5.6 MB), dropping whole steps, oldest first, so a long run
+can stay traced and :meth:`Trace.summary` still measures complete steps;
+:attr:`Trace.dropped` counts what was dropped.
+
+:class:`TraceEvent` (one cell or copy) and :class:`TraceSummary` (the
+measured bubble) document their fields; times are microseconds of host time
+since the Pipe was built.
 """
 import contextlib
 import os
@@ -17,9 +27,15 @@ from gpipe import _C
 if TYPE_CHECKING:
     from gpipe.pipe import Pipe
 
-__all__ = ["Trace", "tracing", "plot_timeline"]
+__all__ = ["Trace", "TraceEvent", "TraceSummary", "DEFAULT_TRACE_CAPACITY", "tracing",
+           "plot_timeline"]
 
 Trace = _C.Trace
+TraceEvent = _C.TraceEvent
+TraceSummary = _C.TraceSummary
+#: How many of the most recent events a Pipe's trace keeps unless its
+#: ``trace_capacity`` is set.
+DEFAULT_TRACE_CAPACITY: int = _C.DEFAULT_TRACE_CAPACITY
 
 #: Box colours by phase.
 _COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "recompute": "#55A868",
@@ -30,7 +46,9 @@ _COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "recompute": "#55A868",
 def tracing(pipe: "Pipe") -> Iterator[Trace]:
     """Records every cell ``pipe`` runs inside the ``with`` block (forward and
     backward alike) into the yielded :class:`Trace`, filled on exit. Earlier
-    recordings are dropped; tracing is switched back to what it was."""
+    recordings are dropped; tracing is switched back to what it was. At most
+    ``pipe.trace_capacity`` of the most recent events are kept (whole steps;
+    ``trace.dropped`` counts the rest)."""
     was = pipe.tracing
     pipe.clear_trace()
     pipe.tracing = True
@@ -38,7 +56,9 @@ def tracing(pipe: "Pipe") -> Iterator[Trace]:
     try:
         yield trace
     finally:
-        trace.events = pipe.trace.events
+        recorded = pipe.trace
+        trace.events = recorded.events
+        trace.dropped = recorded.dropped
         pipe.tracing = was
 
 

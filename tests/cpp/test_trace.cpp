@@ -1,5 +1,6 @@
-// test_trace.cpp — tracing records every cell in schedule order, off by default; Chrome JSON and the bubble summary.
+// test_trace.cpp — tracing records every cell in schedule order, off by default, in a bounded window; Chrome JSON and the bubble summary.
 #include "models.h"
+#include "trace.h"
 
 #include <gpipe/gpipe.h>
 
@@ -199,4 +200,90 @@ TEST_CASE("trace: the measured bubble of sleeping stages is near GPipe's", "[tra
   CHECK(s.bubble < s.ideal_bubble + 0.25);
   const std::string text = s.to_string();
   CHECK_THAT(text, Catch::Contains("bubble") && Catch::Contains("stage 2: busy"));
+}
+
+namespace {
+
+// Records one host-timed event of `step` now.
+void record(gpipe::detail::Tracer& tracer, int64_t step, TracePhase phase = TracePhase::Forward) {
+  const auto now = gpipe::detail::Tracer::Clock::now();
+  tracer.record(step, 0, 0, phase, now, now);
+}
+
+std::vector<int64_t> steps_of(const gpipe::Trace& trace) {
+  std::vector<int64_t> steps;
+  for (const auto& e : trace.events) steps.push_back(e.step);
+  return steps;
+}
+
+}  // namespace
+
+TEST_CASE("trace: the window keeps whole steps, newest first, and counts what it drops", "[trace]") {
+  gpipe::detail::Tracer tracer;
+  CHECK(tracer.capacity() == gpipe::kDefaultTraceCapacity);
+  tracer.set_capacity(4);
+  record(tracer, 0);
+  record(tracer, 0);
+  record(tracer, 1);
+  record(tracer, 1);
+  CHECK(steps_of(tracer.snapshot()) == std::vector<int64_t>{0, 0, 1, 1});
+  CHECK(tracer.snapshot().dropped == 0);
+  record(tracer, 1, TracePhase::Backward);  // 5 events: step 0 goes, whole
+  CHECK(steps_of(tracer.snapshot()) == std::vector<int64_t>{1, 1, 1});
+  CHECK(tracer.snapshot().dropped == 2);
+  record(tracer, 0, TracePhase::Backward);  // late, for a dropped step: dropped too
+  CHECK(steps_of(tracer.snapshot()) == std::vector<int64_t>{1, 1, 1});
+  CHECK(tracer.snapshot().dropped == 3);
+
+  SECTION("steps that interleave are dropped whole all the same") {
+    record(tracer, 2);
+    record(tracer, 1, TracePhase::Backward);  // 5 events: step 1 goes, around step 2's
+    CHECK(steps_of(tracer.snapshot()) == std::vector<int64_t>{2});
+    CHECK(tracer.snapshot().dropped == 3 + 4);
+  }
+  SECTION("a step alone over the capacity keeps its newest events") {
+    tracer.set_capacity(2);  // trims at once
+    CHECK(steps_of(tracer.snapshot()) == std::vector<int64_t>{1, 1});
+    CHECK(tracer.snapshot().dropped == 4);
+    CHECK(tracer.snapshot().events.back().phase == TracePhase::Backward);
+  }
+  SECTION("clear starts over") {
+    tracer.clear();
+    CHECK(tracer.snapshot().events.empty());
+    CHECK(tracer.snapshot().dropped == 0);
+    record(tracer, 0);
+    CHECK(steps_of(tracer.snapshot()) == std::vector<int64_t>{0});
+  }
+  CHECK_THROWS_AS(tracer.set_capacity(0), c10::ValueError);
+  CHECK_THROWS_WITH(tracer.set_capacity(-3), Catch::Contains("got -3"));
+}
+
+TEST_CASE("trace: a long run stays within the capacity and keeps the newest steps", "[trace]") {
+  // 2 stages x 2 micro-batches x (forward, backward): 8 events per step.
+  constexpr int64_t kPerStep = 8;
+  constexpr int64_t kSteps = 40;
+  auto model = mlp(2);
+  model->to(torch::kFloat64);
+  gpipe::Pipe pipe(model, PipeOptions()
+                              .balance({1, 1})
+                              .chunks(2)
+                              .checkpoint(Checkpoint::Never)
+                              .trace(true)
+                              .trace_capacity(20));
+  for (int64_t step = 0; step < kSteps; ++step) train_step(pipe, 4);
+  const auto trace = pipe->trace();
+  // The newest whole steps that fit in 20 events: 2 of them.
+  CHECK(trace.events.size() == 2 * kPerStep);
+  CHECK(trace.dropped == (kSteps - 2) * kPerStep);
+  std::set<int64_t> steps;
+  for (const auto& e : trace.events) steps.insert(e.step);
+  CHECK(steps == std::set<int64_t>{kSteps - 2, kSteps - 1});
+  const auto summary = trace.summary();
+  CHECK(summary.steps == 2);
+  CHECK(summary.microbatches == 2);
+  CHECK(summary.stages == 2);
+
+  CHECK(PipeOptions().trace_capacity() == gpipe::kDefaultTraceCapacity);
+  CHECK_THROWS_WITH(gpipe::Pipe(mlp(2), PipeOptions().balance({2}).trace_capacity(0)),
+                    Catch::Contains("trace capacity must be at least 1 event, got 0"));
 }

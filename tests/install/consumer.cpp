@@ -1,10 +1,18 @@
-// consumer.cpp — uses the installed headers and library: prints gpipe::to_string(Checkpoint::Always).
-#include <gpipe/options.h>
+// consumer.cpp — uses the installed umbrella header and library: prints a checkpoint mode and a balance.
+#include <gpipe/gpipe.h>  // the only gpipe header: it must bring every public one
+
+#include <torch/nn/modules/linear.h>
 
 #include <iostream>
 
 int main() {
   auto options = gpipe::PipeOptions().balance({1, 1}).chunks(2).checkpoint(gpipe::Checkpoint::Always);
-  std::cout << gpipe::to_string(options.checkpoint()) << "\n";
+  // 110, 2 and 2 parameters: the big layer alone is the best 2-way split.
+  torch::nn::Sequential model(torch::nn::Linear(10, 10), torch::nn::Linear(1, 1),
+                              torch::nn::Linear(1, 1));
+  const auto balance = gpipe::balance_by_params(2, model);
+  std::cout << gpipe::to_string(options.checkpoint()) << " balance";
+  for (auto layers : balance) std::cout << " " << layers;
+  std::cout << "\n";
   return options.chunks() == 2 ? 0 : 1;
 }

@@ -89,3 +89,59 @@ def test_plot_timeline_writes_a_png(tmp_path):
     assert path.stat().st_size > 5000
     with pytest.raises(ValueError, match="empty"):
         gpipe.plot_timeline(gpipe.Trace(), tmp_path / "empty.png")
+
+
+# -- a bounded trace ----------------------------------------------------------
+
+def test_trace_keeps_the_newest_whole_steps_within_its_capacity():
+    # 2 stages x 2 micro-batches x (forward, backward): 8 events per step.
+    per_step, steps = 8, 40
+    pipe = gpipe.Pipe(_model(), balance=[2, 1], chunks=2, checkpoint="never", trace=True)
+    assert pipe.trace_capacity == gpipe.trace.DEFAULT_TRACE_CAPACITY == 100_000
+    pipe.trace_capacity = 20
+    assert pipe.trace_capacity == 20
+    for _ in range(steps):
+        pipe(torch.randn(4, 4)).sum().backward()
+    trace = pipe.trace
+    assert len(trace) == 2 * per_step  # the newest whole steps that fit in 20
+    assert trace.dropped == (steps - 2) * per_step
+    assert {e.step for e in trace.events} == {steps - 2, steps - 1}
+    assert trace.summary().steps == 2
+    # Lowering the capacity trims at once (a step alone over it: its newest events).
+    pipe.trace_capacity = 5
+    trace = pipe.trace
+    assert len(trace) == 5 and {e.step for e in trace.events} == {steps - 1}
+    assert trace.dropped == steps * per_step - 5
+    with pytest.raises(ValueError, match="at least 1 event, got 0"):
+        pipe.trace_capacity = 0
+    pipe.clear_trace()
+    assert len(pipe.trace) == 0 and pipe.trace.dropped == 0
+
+
+def test_tracing_context_reports_what_it_dropped():
+    pipe = gpipe.Pipe(_model(), balance=[2, 1], chunks=2, checkpoint="never")
+    pipe.trace_capacity = 8
+    with gpipe.tracing(pipe) as trace:
+        for _ in range(3):
+            pipe(torch.randn(4, 4)).sum().backward()
+    assert len(trace) == 8 and trace.dropped == 16
+    assert {e.step for e in trace.events} == {2}
+
+
+def test_trace_types_are_exported_and_documented():
+    pipe = gpipe.Pipe(_model(), balance=[2, 1], chunks=2)
+    with gpipe.tracing(pipe) as trace:
+        pipe(torch.randn(4, 4)).sum().backward()
+    assert isinstance(trace, gpipe.Trace)
+    assert all(isinstance(e, gpipe.TraceEvent) for e in trace.events)
+    assert isinstance(trace.summary(), gpipe.TraceSummary)
+    for name in ("Trace", "TraceEvent", "TraceSummary"):
+        assert name in gpipe.__all__ and name in gpipe.trace.__all__
+    assert "microseconds" in gpipe.TraceEvent.start_us.__doc__
+    assert "(K-1)/(M+K-1)" in gpipe.TraceSummary.ideal_bubble.__doc__
+    assert "1 - sum(busy_us) / (stages * span_us)" in gpipe.TraceSummary.bubble.__doc__
+    for field in ("step", "stage", "microbatch", "phase", "start_us", "end_us", "thread"):
+        assert getattr(gpipe.TraceEvent, field).__doc__, field
+    for field in ("stages", "microbatches", "steps", "busy_us", "span_us", "bubble",
+                  "ideal_bubble"):
+        assert getattr(gpipe.TraceSummary, field).__doc__, field
