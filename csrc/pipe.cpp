@@ -130,7 +130,7 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
     offset += balance[j];
   }
   engine_ = std::make_shared<detail::Engine>(std::move(parts), devices, options_.chunks(),
-                                             options_.checkpoint());
+                                             options_.checkpoint(), options_.intra_op_threads());
   engine_->tracer().enable(options_.trace());
 }
 
