@@ -170,7 +170,13 @@ Executor::Executor(int64_t stages, const std::vector<int>& intra_op_threads) {
     const int threads = intra_op_threads.empty() ? 0 : intra_op_threads[j];
     sets_any = sets_any || threads > 0;
     worker->thread = std::thread([this, worker, threads, &ready] {
-      if (threads > 0) at::set_num_threads(threads);
+      // A thread's first parallel op (re)initializes its count from the
+      // process-wide one, once; at::get_num_threads does that now, so the
+      // count set next is the one that stays.
+      if (threads > 0) {
+        at::get_num_threads();
+        at::set_num_threads(threads);
+      }
       ready.count_down();
       work(*worker);
     });
