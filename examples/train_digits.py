@@ -8,11 +8,11 @@ It prints the loss and test accuracy per epoch of the pipelined model, then
 trains the same model plainly (same initial weights, same data order) and
 prints OK when the pipelined model reaches at least 95% test accuracy within
 2 points of the plain one; otherwise it says what differed and exits 1.
-Both run with default thread settings, as a user's program would: the plain
-model with torch's intra-op threads, the Pipe splitting them between its
-stages. It prints both step times and why this small model runs slower
-pipelined: each cell is microseconds of math, less than what handing a
-micro-batch between stages costs.
+Both run on one intra-op thread (torch.set_num_threads(1)), which the Pipe,
+by default, shares out between its stages: one each. It prints both step
+times and, when the pipelined run is the slower, why: each cell is
+microseconds of math, less than what handing a micro-batch between stages
+costs.
 It then traces one training step and draws the pipeline's timeline (one row
 per stage, a box per micro-batch's forward, recompute and backward) to
 timeline.png, printing the measured bubble next to GPipe's ideal.
@@ -112,14 +112,23 @@ def train(model: nn.Module, name: str, data: Tuple[Tensor, Tensor, Tensor, Tenso
 
 def compare(epochs: int = EPOCHS, log: Log = print) -> Tuple[Run, Run]:
     """Trains the pipelined model, then the plain one from the same initial weights."""
-    data = load_data()
-    plain = make_model()
-    pipe = gpipe.Pipe(copy.deepcopy(plain), balance=BALANCE, chunks=CHUNKS)
-    log(f"digits: {len(data[1])} training and {len(data[3])} test images; "
-        f"MLP 64-128-128-10 as a Pipe of balance {BALANCE}, {CHUNKS} micro-batches")
-    pipelined = train(pipe, "pipelined", data, epochs, log)
-    log("same model, same initial weights and data order, without the Pipe:")
-    reference = train(plain, "plain", data, epochs, log)
+    # Matrices of 16-64 rows by 128 gain nothing from several intra-op
+    # threads and lose to their start-up and spin-waiting (badly on a busy
+    # machine), so both runs use one. The Pipe, built under this setting,
+    # gives each CPU stage at least one thread of its own (intra_op_threads=0).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = load_data()
+        plain = make_model()
+        pipe = gpipe.Pipe(copy.deepcopy(plain), balance=BALANCE, chunks=CHUNKS)
+        log(f"digits: {len(data[1])} training and {len(data[3])} test images; "
+            f"MLP 64-128-128-10 as a Pipe of balance {BALANCE}, {CHUNKS} micro-batches")
+        pipelined = train(pipe, "pipelined", data, epochs, log)
+        log("same model, same initial weights and data order, without the Pipe:")
+        reference = train(plain, "plain", data, epochs, log)
+    finally:
+        torch.set_num_threads(threads)
     return pipelined, reference
 
 
@@ -133,17 +142,19 @@ def explain_speed(pipelined: Run, reference: Run, log: Log = print) -> None:
     # Forward and backward of every (stage, micro-batch), plus the recompute
     # of every micro-batch but the last (checkpoint='except_last').
     cells = stages * CHUNKS * 2 + stages * (CHUNKS - 1)
-    per_cell_us = 1e3 * max(pipe_ms - plain_ms, 0.0) / cells
-    log(f"speed: pipelined {pipe_ms:.2f} ms per step, plain {plain_ms:.2f} ms per step "
-        f"({pipe_ms / plain_ms:.1f}x slower pipelined)")
-    log(f"why: a step runs {cells} cells (stage x micro-batch x forward/backward/recompute) "
-        f"of {BATCH // CHUNKS} rows through layers of at most 128 features: a few "
-        f"microseconds of math each, against about {per_cell_us:.0f} us per cell of "
-        f"pipelining cost here (handing micro-batches between worker threads, Python layers "
-        f"taking turns on the GIL). A pipeline pays off when a cell computes for much longer "
-        f"than that, or when stages sit on different devices: see bench/real.cpp and "
-        f"docs/benchmarks.md, where ms-long cells on 2 CPU stages match or beat the plain "
-        f"model.")
+    log(f"speed: pipelined {pipe_ms:.2f} ms per step, plain {plain_ms:.2f} ms per step")
+    if pipe_ms <= plain_ms:
+        return
+    per_cell_us = 1e3 * (pipe_ms - plain_ms) / cells
+    log(f"why the pipelined run is {pipe_ms / plain_ms:.1f}x slower: a step runs {cells} cells "
+        f"(stage x micro-batch x forward, backward, recompute) of {BATCH // CHUNKS} rows "
+        f"through layers of at most 128 features (a 16x128 by 128x128 product is half a "
+        f"million multiply-adds: microseconds of math), against "
+        f"about {per_cell_us:.0f} us per cell of pipelining cost here (handing micro-batches "
+        f"between worker threads; Python layers taking turns on the GIL). A pipeline pays "
+        f"off when a cell computes for much longer than that (bench/real.cpp: 2 CPU stages "
+        f"of ms-long cells, see docs/benchmarks.md), or when the stages sit on different "
+        f"devices.")
 
 
 def verdict(pipelined: Run, reference: Run, log: Log = print) -> int:
