@@ -22,6 +22,8 @@
 //   pipe default   the Pipe with PipeOptions' default intra_op_threads (the
 //                  N threads split between the 2 stages), checkpoint=never
 //                  as above; and with the default checkpoint (except_last)
+//   pipe -1        the Pipe with intra_op_threads(-1): torch's count in every
+//                  stage, as before the split (K x N threads on N cores)
 //
 // A Pipe fixes its workers' intra-op counts when it is built, from its
 // options and the building thread's count; at::set_num_threads on the main
@@ -139,6 +141,9 @@ int main(int argc, char** argv) {
   auto by_default = probed_pipe(plain, pairs, hidden,
                                 gpipe::PipeOptions().chunks(m).checkpoint(gpipe::Checkpoint::Never));
   auto all_default = probed_pipe(plain, pairs, hidden, gpipe::PipeOptions().chunks(m));
+  auto unsplit = probed_pipe(
+      plain, pairs, hidden,
+      gpipe::PipeOptions().chunks(m).checkpoint(gpipe::Checkpoint::Never).intra_op_threads(-1));
   at::set_num_threads(1);
   const auto x = torch::randn({batch, hidden});
 
@@ -153,6 +158,10 @@ int main(int argc, char** argv) {
   auto pipe_all_default_step = [&] {
     at::set_num_threads(default_threads);
     all_default.pipe->forward(x).sum().backward();
+  };
+  auto pipe_unsplit_step = [&] {
+    at::set_num_threads(default_threads);
+    unsplit.pipe->forward(x).sum().backward();
   };
   auto plain_default_step = [&] {
     at::set_num_threads(default_threads);
@@ -193,9 +202,10 @@ int main(int argc, char** argv) {
     plain_default_step();
     pipe_default_step();
     pipe_all_default_step();
+    pipe_unsplit_step();
   }
   bench::Timing t_pipe, t_plain1, t_plain2, t_loop, t_plain_default, t_pipe_default,
-      t_pipe_all_default;
+      t_pipe_all_default, t_pipe_unsplit;
   for (int i = 0; i < reps; ++i) {
     t_pipe.run(pipe_step);
     t_plain1.run(plain1_step);
@@ -204,6 +214,7 @@ int main(int argc, char** argv) {
     t_plain_default.run(plain_default_step);
     t_pipe_default.run(pipe_default_step);
     t_pipe_all_default.run(pipe_all_default_step);
+    t_pipe_unsplit.run(pipe_unsplit_step);
   }
   at::set_num_threads(1);
 
@@ -214,6 +225,7 @@ int main(int argc, char** argv) {
   const double plain_default_s = bench::median(t_plain_default.wall);
   const double pipe_default_s = bench::median(t_pipe_default.wall);
   const double pipe_all_default_s = bench::median(t_pipe_all_default.wall);
+  const double pipe_unsplit_s = bench::median(t_pipe_unsplit.wall);
   const double samples = static_cast<double>(batch);
 
   std::printf(
@@ -229,8 +241,9 @@ int main(int argc, char** argv) {
       one_each.probe1->most.load());
   std::printf(
       "real: torch's default intra-op threads here: %d; inside the default Pipe's workers: "
-      "stage 0 = %d, stage 1 = %d\n\n",
-      default_threads, by_default.probe0->most.load(), by_default.probe1->most.load());
+      "stage 0 = %d, stage 1 = %d; with intra_op_threads(-1): stage 0 = %d, stage 1 = %d\n\n",
+      default_threads, by_default.probe0->most.load(), by_default.probe1->most.load(),
+      unsplit.probe0->most.load(), unsplit.probe1->most.load());
   bench::Table table({"configuration", "step ms", "samples/s", "cores used", "pipe speedup"});
   table.add({"gpipe Pipe, 2 stages x 1 thread", bench::fixed(pipe_s * 1e3, 1),
              bench::fixed(samples / pipe_s, 0), bench::fixed(t_pipe.cores(), 2), ""});
@@ -262,12 +275,16 @@ int main(int argc, char** argv) {
                 bench::fixed(samples / pipe_all_default_s, 0),
                 bench::fixed(t_pipe_all_default.cores(), 2),
                 bench::fixed(plain_default_s / pipe_all_default_s, 2)});
+  defaults.add({"gpipe Pipe, intra_op_threads(-1) (unsplit), checkpoint=never",
+                bench::fixed(pipe_unsplit_s * 1e3, 1), bench::fixed(samples / pipe_unsplit_s, 0),
+                bench::fixed(t_pipe_unsplit.cores(), 2),
+                bench::fixed(plain_default_s / pipe_unsplit_s, 2)});
   defaults.print();
   std::printf("\n");
   std::printf(
       "BENCH real speedup_vs_1thread=%.2f speedup_vs_2threads=%.2f default_threads_over_plain=%.2f "
-      "all_defaults_over_plain=%.2f\n",
+      "all_defaults_over_plain=%.2f unsplit_over_plain=%.2f\n",
       plain1_s / pipe_s, plain2_s / pipe_s, plain_default_s / pipe_default_s,
-      plain_default_s / pipe_all_default_s);
+      plain_default_s / pipe_all_default_s, plain_default_s / pipe_unsplit_s);
   return 0;
 }
