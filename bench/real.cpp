@@ -12,18 +12,25 @@
 // measures the pipeline, not smaller GEMMs.
 //
 // Compared, steps interleaved so noise hits all alike:
-//   pipe      gpipe Pipe, 2 CPU stages, at::set_num_threads(1): one core per stage
+//   pipe      gpipe Pipe, 2 CPU stages, intra_op_threads(1): one thread per stage
 //   plain x1  the Sequential on the whole batch, at::set_num_threads(1)
 //   plain x2  the Sequential on the whole batch, at::set_num_threads(2)
 //   mb loop   the Sequential on the same 16 micro-batches in a loop, 1 thread:
 //             what micro-batching alone costs or saves
+// and, as a user runs them, with default thread settings on both sides:
+//   plain default  the Sequential with torch's default thread count (N)
+//   pipe default   the Pipe with PipeOptions' default intra_op_threads (the
+//                  N threads split between the 2 stages), checkpoint=never
+//                  as above; and with the default checkpoint (except_last)
+//   pipe -1        the Pipe with intra_op_threads(-1): torch's count in every
+//                  stage, as before the split (K x N threads on N cores)
 //
-// at::set_num_threads sets a process-wide count that each thread (our
-// workers included) adopts on its first parallel op, and MKL's global
-// count. Switching between 1 and 2 on the main thread between steps is safe
-// because the workers are idle then. What each stage really ran with is
-// checked two ways: a probe layer records at::get_num_threads() inside each
-// worker, and the process CPU time over wall time gives the cores in use.
+// A Pipe fixes its workers' intra-op counts when it is built, from its
+// options and the building thread's count; at::set_num_threads on the main
+// thread between steps changes only the main thread's (and the plain
+// model's) count. What each stage really ran with is checked two ways: a
+// probe layer records at::get_num_threads() inside each worker, and the
+// process CPU time over wall time gives the cores in use.
 #include <gpipe/gpipe.h>
 
 #include <torch/torch.h>
@@ -35,6 +42,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace {
@@ -59,10 +67,38 @@ void add_pairs(torch::nn::Sequential& seq, int64_t pairs, int64_t hidden) {
   }
 }
 
+// A 2-stage Pipe over a copy of `plain`'s pairs with a probe at the head of
+// each stage, built with `options` (balance and devices are set here).
+struct ProbedPipe {
+  Probe probe0, probe1;
+  gpipe::Pipe pipe{nullptr};
+};
+ProbedPipe probed_pipe(const torch::nn::Sequential& plain, int64_t pairs, int64_t hidden,
+                       gpipe::PipeOptions options) {
+  ProbedPipe p;
+  torch::nn::Sequential model;
+  model->push_back(p.probe0);
+  add_pairs(model, pairs, hidden);
+  model->push_back(p.probe1);
+  add_pairs(model, pairs, hidden);
+  {
+    torch::NoGradGuard no_grad;
+    const auto from = plain->parameters();
+    auto to = model->parameters();
+    for (size_t i = 0; i < to.size(); ++i) to[i].copy_(from[i]);
+  }
+  const auto per_stage = 1 + 2 * pairs;
+  p.pipe = gpipe::Pipe(model, options.balance({per_stage, per_stage})
+                                  .devices({torch::kCPU, torch::kCPU}));
+  return p;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const bool quick = bench::quick(argc, argv);
+  // Torch's default, before anything here changes it: what a user gets.
+  const int default_threads = at::get_num_threads();
   at::set_num_threads(1);
   torch::manual_seed(0);
 
@@ -90,32 +126,46 @@ int main(int argc, char** argv) {
   const int64_t guess = pairs_for(4, stage_forward(4));
   const int64_t pairs = pairs_for(guess, stage_forward(guess));
 
-  torch::nn::Sequential model;
-  Probe probe0, probe1;
-  model->push_back(probe0);
-  add_pairs(model, pairs, hidden);
-  model->push_back(probe1);
-  add_pairs(model, pairs, hidden);
-  // The plain model: the same layers without the probes, the same weights.
+  // The plain model; each Pipe gets a copy of its layers (and weights)
+  // with a probe at the head of each stage.
   torch::nn::Sequential plain;
   add_pairs(plain, 2 * pairs, hidden);
-  {
-    torch::NoGradGuard no_grad;
-    const auto from = model->parameters();
-    auto to = plain->parameters();
-    for (size_t i = 0; i < to.size(); ++i) to[i].copy_(from[i]);
-  }
-  const auto per_stage = 1 + 2 * pairs;
-  gpipe::Pipe pipe(model, gpipe::PipeOptions()
-                              .balance({per_stage, per_stage})
-                              .devices({torch::kCPU, torch::kCPU})
-                              .chunks(m)
-                              .checkpoint(gpipe::Checkpoint::Never));
+  auto one_each = probed_pipe(plain, pairs, hidden,
+                              gpipe::PipeOptions()
+                                  .chunks(m)
+                                  .checkpoint(gpipe::Checkpoint::Never)
+                                  .intra_op_threads(1));
+  // Built as a user's program builds them: torch's default count on this
+  // thread, PipeOptions' default intra_op_threads.
+  at::set_num_threads(default_threads);
+  auto by_default = probed_pipe(plain, pairs, hidden,
+                                gpipe::PipeOptions().chunks(m).checkpoint(gpipe::Checkpoint::Never));
+  auto all_default = probed_pipe(plain, pairs, hidden, gpipe::PipeOptions().chunks(m));
+  auto unsplit = probed_pipe(
+      plain, pairs, hidden,
+      gpipe::PipeOptions().chunks(m).checkpoint(gpipe::Checkpoint::Never).intra_op_threads(-1));
+  at::set_num_threads(1);
   const auto x = torch::randn({batch, hidden});
 
   auto pipe_step = [&] {
     at::set_num_threads(1);
-    pipe->forward(x).sum().backward();
+    one_each.pipe->forward(x).sum().backward();
+  };
+  auto pipe_default_step = [&] {
+    at::set_num_threads(default_threads);
+    by_default.pipe->forward(x).sum().backward();
+  };
+  auto pipe_all_default_step = [&] {
+    at::set_num_threads(default_threads);
+    all_default.pipe->forward(x).sum().backward();
+  };
+  auto pipe_unsplit_step = [&] {
+    at::set_num_threads(default_threads);
+    unsplit.pipe->forward(x).sum().backward();
+  };
+  auto plain_default_step = [&] {
+    at::set_num_threads(default_threads);
+    plain->forward(x).sum().backward();
   };
   auto plain1_step = [&] {
     at::set_num_threads(1);
@@ -149,13 +199,22 @@ int main(int argc, char** argv) {
     plain1_step();
     plain2_step();
     loop_step();
+    plain_default_step();
+    pipe_default_step();
+    pipe_all_default_step();
+    pipe_unsplit_step();
   }
-  bench::Timing t_pipe, t_plain1, t_plain2, t_loop;
+  bench::Timing t_pipe, t_plain1, t_plain2, t_loop, t_plain_default, t_pipe_default,
+      t_pipe_all_default, t_pipe_unsplit;
   for (int i = 0; i < reps; ++i) {
     t_pipe.run(pipe_step);
     t_plain1.run(plain1_step);
     t_plain2.run(plain2_step);
     t_loop.run(loop_step);
+    t_plain_default.run(plain_default_step);
+    t_pipe_default.run(pipe_default_step);
+    t_pipe_all_default.run(pipe_all_default_step);
+    t_pipe_unsplit.run(pipe_unsplit_step);
   }
   at::set_num_threads(1);
 
@@ -163,6 +222,10 @@ int main(int argc, char** argv) {
   const double plain1_s = bench::median(t_plain1.wall);
   const double plain2_s = bench::median(t_plain2.wall);
   const double loop_s = bench::median(t_loop.wall);
+  const double plain_default_s = bench::median(t_plain_default.wall);
+  const double pipe_default_s = bench::median(t_pipe_default.wall);
+  const double pipe_all_default_s = bench::median(t_pipe_all_default.wall);
+  const double pipe_unsplit_s = bench::median(t_pipe_unsplit.wall);
   const double samples = static_cast<double>(batch);
 
   std::printf(
@@ -174,7 +237,13 @@ int main(int argc, char** argv) {
   std::printf(
       "real: one forward cell = %.2f ms on 1 thread (target %.1f ms); intra-op threads "
       "seen inside the workers: stage 0 = %d, stage 1 = %d\n\n",
-      cell_s * 1e3, target_cell * 1e3, probe0->most.load(), probe1->most.load());
+      cell_s * 1e3, target_cell * 1e3, one_each.probe0->most.load(),
+      one_each.probe1->most.load());
+  std::printf(
+      "real: torch's default intra-op threads here: %d; inside the default Pipe's workers: "
+      "stage 0 = %d, stage 1 = %d; with intra_op_threads(-1): stage 0 = %d, stage 1 = %d\n\n",
+      default_threads, by_default.probe0->most.load(), by_default.probe1->most.load(),
+      unsplit.probe0->most.load(), unsplit.probe1->most.load());
   bench::Table table({"configuration", "step ms", "samples/s", "cores used", "pipe speedup"});
   table.add({"gpipe Pipe, 2 stages x 1 thread", bench::fixed(pipe_s * 1e3, 1),
              bench::fixed(samples / pipe_s, 0), bench::fixed(t_pipe.cores(), 2), ""});
@@ -190,7 +259,32 @@ int main(int argc, char** argv) {
   table.print();
   std::printf("\n(ideal pipe speedup over 1 thread for K=2, M=%lld: %.2f)\n\n",
               static_cast<long long>(m), 2.0 * static_cast<double>(m) / static_cast<double>(m + 1));
-  std::printf("BENCH real speedup_vs_1thread=%.2f speedup_vs_2threads=%.2f\n", plain1_s / pipe_s,
-              plain2_s / pipe_s);
+
+  std::printf("default thread settings on both sides, as a user runs them:\n");
+  bench::Table defaults({"configuration", "step ms", "samples/s", "cores used", "plain / this"});
+  const auto threads = std::to_string(default_threads);
+  defaults.add({"plain Sequential, torch's default (" + threads + " threads)",
+                bench::fixed(plain_default_s * 1e3, 1), bench::fixed(samples / plain_default_s, 0),
+                bench::fixed(t_plain_default.cores(), 2), ""});
+  defaults.add({"gpipe Pipe, default intra_op_threads, checkpoint=never",
+                bench::fixed(pipe_default_s * 1e3, 1), bench::fixed(samples / pipe_default_s, 0),
+                bench::fixed(t_pipe_default.cores(), 2),
+                bench::fixed(plain_default_s / pipe_default_s, 2)});
+  defaults.add({"gpipe Pipe, all default (checkpoint=except_last)",
+                bench::fixed(pipe_all_default_s * 1e3, 1),
+                bench::fixed(samples / pipe_all_default_s, 0),
+                bench::fixed(t_pipe_all_default.cores(), 2),
+                bench::fixed(plain_default_s / pipe_all_default_s, 2)});
+  defaults.add({"gpipe Pipe, intra_op_threads(-1) (unsplit), checkpoint=never",
+                bench::fixed(pipe_unsplit_s * 1e3, 1), bench::fixed(samples / pipe_unsplit_s, 0),
+                bench::fixed(t_pipe_unsplit.cores(), 2),
+                bench::fixed(plain_default_s / pipe_unsplit_s, 2)});
+  defaults.print();
+  std::printf("\n");
+  std::printf(
+      "BENCH real speedup_vs_1thread=%.2f speedup_vs_2threads=%.2f default_threads_over_plain=%.2f "
+      "all_defaults_over_plain=%.2f unsplit_over_plain=%.2f\n",
+      plain1_s / pipe_s, plain2_s / pipe_s, plain_default_s / pipe_default_s,
+      plain_default_s / pipe_all_default_s, plain_default_s / pipe_unsplit_s);
   return 0;
 }

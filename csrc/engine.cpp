@@ -4,6 +4,7 @@
 #include "check.h"
 #include "pipe_backward.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/add.h>
@@ -15,6 +16,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -75,9 +77,40 @@ std::optional<c10::DeviceIndex> autograd_device_thread() {
 
 }  // namespace
 
+std::vector<int> intra_op_split(const std::vector<c10::Device>& devices, int64_t option,
+                                int available) {
+  TORCH_CHECK(option >= -1, "intra_op_threads is ", option,
+              "; pass 0 to split the cores between the CPU stages (the default), a positive "
+              "count of threads per CPU stage, or -1 to leave torch's setting alone");
+  std::vector<int> threads(devices.size(), 0);
+  if (option == -1) return threads;
+  int64_t cpu_stages = 0;
+  for (const auto& d : devices) cpu_stages += d.is_cpu() ? 1 : 0;
+  int64_t k = 0;  // CPU stages seen so far
+  for (size_t j = 0; j < devices.size(); ++j) {
+    if (!devices[j].is_cpu()) continue;
+    if (option > 0) {
+      threads[j] = static_cast<int>(option);
+    } else {
+      const int64_t share = available / cpu_stages;
+      const int64_t extra = k < available % cpu_stages ? 1 : 0;
+      threads[j] = static_cast<int>(std::max<int64_t>(1, share + extra));
+    }
+    ++k;
+  }
+  return threads;
+}
+
 Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c10::Device>& devices,
-               int64_t chunks, Checkpoint checkpoint)
-    : executor_(static_cast<int64_t>(layers.size())), chunks_(chunks), checkpoint_(checkpoint) {
+               int64_t chunks, Checkpoint checkpoint, int64_t intra_op_threads)
+    : intra_op_threads_(intra_op_split(
+          std::vector<c10::Device>(devices.begin(),
+                                   devices.begin() + static_cast<std::ptrdiff_t>(
+                                                         std::min(devices.size(), layers.size()))),
+          intra_op_threads, at::get_num_threads())),
+      executor_(static_cast<int64_t>(layers.size()), intra_op_threads_),
+      chunks_(chunks),
+      checkpoint_(checkpoint) {
   TORCH_INTERNAL_ASSERT(devices.size() >= layers.size());
   for (size_t j = 0; j < layers.size(); ++j) {
     stages_.push_back(

@@ -60,10 +60,21 @@ struct PipeRun {
   int64_t step = 0;
 };
 
+/// Intra-op threads of each stage's worker (0: torch's setting) for the
+/// `intra_op_threads` option (see PipeOptions), splitting `available`
+/// threads between the CPU stages among `devices` (one per stage).
+std::vector<int> intra_op_split(const std::vector<c10::Device>& devices, int64_t option,
+                                int available);
+
 class Engine : public std::enable_shared_from_this<Engine> {
  public:
+  /// `intra_op_threads`: see PipeOptions; the calling thread's
+  /// at::get_num_threads() is what 0 splits between the CPU stages.
   Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c10::Device>& devices,
-         int64_t chunks, Checkpoint checkpoint);
+         int64_t chunks, Checkpoint checkpoint, int64_t intra_op_threads = 0);
+
+  /// Each stage worker's intra-op thread count as set (0: left to torch).
+  const std::vector<int>& intra_op_threads() const noexcept { return intra_op_threads_; }
 
   /// Runs the forward half of the schedule. Under grad mode, when anything
   /// requires grad, the outputs hang off one PipeBackward node that runs the
@@ -127,6 +138,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   };
 
   std::vector<std::unique_ptr<Stage>> stages_;
+  std::vector<int> intra_op_threads_;  // before executor_: it starts the workers with these
   std::mutex busy_;
   std::atomic<std::thread::id> owner_{};
   Executor executor_;

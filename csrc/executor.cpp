@@ -3,10 +3,12 @@
 
 #include <gpipe/error.h>
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
 #include <chrono>
+#include <latch>
 #include <optional>
 
 namespace gpipe::detail {
@@ -144,15 +146,43 @@ struct Executor::Worker {
   bool stop = false;
 };
 
-Executor::Executor(int64_t stages) {
+Executor::Executor(int64_t stages, const std::vector<int>& intra_op_threads) {
   TORCH_CHECK(stages >= 1, "an executor needs at least one stage, got ", stages);
+  TORCH_CHECK(intra_op_threads.empty() || static_cast<int64_t>(intra_op_threads.size()) == stages,
+              "intra_op_threads has ", intra_op_threads.size(), " entries for ", stages,
+              " stages");
   for (int64_t j = 0; j < stages; ++j) {
     workers_.push_back(std::make_unique<Worker>());
   }
-  for (auto& w : workers_) {
-    Worker* worker = w.get();
-    worker->thread = std::thread([this, worker] { work(*worker); });
+  // at::set_num_threads sets the calling thread's OpenMP and MKL counts,
+  // which is what a worker needs, but it also stores the count process-wide
+  // as the one every thread started later adopts (autograd's, the user's,
+  // another Pipe's workers). So each worker sets its own count first thing,
+  // and once all have, this thread stores its own, unchanged, count again:
+  // threads started later get what they would have got without us. (Read
+  // it before any worker sets its count: a thread's first at:: call adopts
+  // the process-wide count.)
+  const int own = at::get_num_threads();
+  std::latch ready(stages);
+  bool sets_any = false;
+  for (size_t j = 0; j < workers_.size(); ++j) {
+    Worker* worker = workers_[j].get();
+    const int threads = intra_op_threads.empty() ? 0 : intra_op_threads[j];
+    sets_any = sets_any || threads > 0;
+    worker->thread = std::thread([this, worker, threads, &ready] {
+      // A thread's first parallel op (re)initializes its count from the
+      // process-wide one, once; at::get_num_threads does that now, so the
+      // count set next is the one that stays.
+      if (threads > 0) {
+        at::get_num_threads();
+        at::set_num_threads(threads);
+      }
+      ready.count_down();
+      work(*worker);
+    });
   }
+  ready.wait();
+  if (sets_any) at::set_num_threads(own);
 }
 
 Executor::~Executor() {

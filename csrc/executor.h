@@ -32,7 +32,11 @@ using CellFn =
 
 class Executor {
  public:
-  explicit Executor(int64_t stages);
+  /// Starts one worker per stage. `intra_op_threads[j]` > 0 fixes worker
+  /// j's intra-op thread count (as `at::set_num_threads` on that thread);
+  /// 0, or no entry, leaves it at torch's setting. Other threads' counts
+  /// stay as they were (see executor.cpp).
+  explicit Executor(int64_t stages, const std::vector<int>& intra_op_threads = {});
   ~Executor();
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;

@@ -132,7 +132,7 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
     offset += balance[j];
   }
   engine_ = std::make_shared<detail::Engine>(std::move(parts), devices, options_.chunks(),
-                                             options_.checkpoint());
+                                             options_.checkpoint(), options_.intra_op_threads());
   engine_->set_batch_dims(options_.batch_dim(), options_.output_batch_dim());
   engine_->tracer().set_capacity(options_.trace_capacity());
   engine_->tracer().enable(options_.trace());

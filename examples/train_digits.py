@@ -8,6 +8,11 @@ It prints the loss and test accuracy per epoch of the pipelined model, then
 trains the same model plainly (same initial weights, same data order) and
 prints OK when the pipelined model reaches at least 95% test accuracy within
 2 points of the plain one; otherwise it says what differed and exits 1.
+Both run on one intra-op thread (torch.set_num_threads(1)), which the Pipe,
+by default, shares out between its stages: one each. It prints both step
+times and, when the pipelined run is the slower, why: each cell is
+microseconds of math, less than what handing a micro-batch between stages
+costs.
 It then traces one training step and draws the pipeline's timeline (one row
 per stage, a box per micro-batch's forward, recompute and backward) to
 timeline.png, printing the measured bubble next to GPipe's ideal.
@@ -43,6 +48,7 @@ class Run:
     losses: List[float] = field(default_factory=list)
     accuracies: List[float] = field(default_factory=list)
     seconds: float = 0.0
+    steps: int = 0
 
     @property
     def accuracy(self) -> float:
@@ -95,6 +101,7 @@ def train(model: nn.Module, name: str, data: Tuple[Tensor, Tensor, Tensor, Tenso
             optimizer.step()
             total += loss.item() * len(batch)
             seen += len(batch)
+            run.steps += 1
         run.losses.append(total / seen)
         run.accuracies.append(accuracy(model, x_test, y_test))
         log(f"{name:>9}  epoch {epoch + 1:2d}/{epochs}  loss {run.losses[-1]:.4f}  "
@@ -105,8 +112,12 @@ def train(model: nn.Module, name: str, data: Tuple[Tensor, Tensor, Tensor, Tenso
 
 def compare(epochs: int = EPOCHS, log: Log = print) -> Tuple[Run, Run]:
     """Trains the pipelined model, then the plain one from the same initial weights."""
+    # Matrices of 16-64 rows by 128 gain nothing from several intra-op
+    # threads and lose to their start-up and spin-waiting (badly on a busy
+    # machine), so both runs use one. The Pipe, built under this setting,
+    # gives each CPU stage at least one thread of its own (intra_op_threads=0).
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the stages are the parallelism; tiny matmuls gain nothing more
+    torch.set_num_threads(1)
     try:
         data = load_data()
         plain = make_model()
@@ -121,11 +132,37 @@ def compare(epochs: int = EPOCHS, log: Log = print) -> Tuple[Run, Run]:
     return pipelined, reference
 
 
+def explain_speed(pipelined: Run, reference: Run, log: Log = print) -> None:
+    """Prints both step times and why a model this small gains nothing from a pipeline."""
+    if not pipelined.steps or not reference.steps:
+        return
+    pipe_ms = 1e3 * pipelined.seconds / pipelined.steps
+    plain_ms = 1e3 * reference.seconds / reference.steps
+    stages = len(BALANCE)
+    # Forward and backward of every (stage, micro-batch), plus the recompute
+    # of every micro-batch but the last (checkpoint='except_last').
+    cells = stages * CHUNKS * 2 + stages * (CHUNKS - 1)
+    log(f"speed: pipelined {pipe_ms:.2f} ms per step, plain {plain_ms:.2f} ms per step")
+    if pipe_ms <= plain_ms:
+        return
+    per_cell_us = 1e3 * (pipe_ms - plain_ms) / cells
+    log(f"why the pipelined run is {pipe_ms / plain_ms:.1f}x slower: a step runs {cells} cells "
+        f"(stage x micro-batch x forward, backward, recompute) of {BATCH // CHUNKS} rows "
+        f"through layers of at most 128 features (a 16x128 by 128x128 product is half a "
+        f"million multiply-adds: microseconds of math), against "
+        f"about {per_cell_us:.0f} us per cell of pipelining cost here (handing micro-batches "
+        f"between worker threads; Python layers taking turns on the GIL). A pipeline pays "
+        f"off when a cell computes for much longer than that (bench/real.cpp: 2 CPU stages "
+        f"of ms-long cells, see docs/benchmarks.md), or when the stages sit on different "
+        f"devices.")
+
+
 def verdict(pipelined: Run, reference: Run, log: Log = print) -> int:
     """0 (printing OK) when the pipelined model is accurate and matches the plain one."""
     gap = abs(pipelined.accuracy - reference.accuracy)
     log(f"test accuracy: pipelined {pipelined.accuracy:.4f} ({pipelined.seconds:.1f} s), "
         f"plain {reference.accuracy:.4f} ({reference.seconds:.1f} s), gap {gap:.4f}")
+    explain_speed(pipelined, reference, log)
     failures = []
     if pipelined.accuracy < MIN_ACCURACY:
         failures.append(f"pipelined accuracy {pipelined.accuracy:.4f} < {MIN_ACCURACY}")

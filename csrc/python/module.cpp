@@ -59,7 +59,7 @@ void reraise_python(const gpipe::CellError& error) {
 class PyEngine {
  public:
   PyEngine(const py::list& partitions, const std::vector<c10::Device>& devices, int64_t chunks,
-           const std::string& checkpoint) {
+           const std::string& checkpoint, int64_t intra_op_threads) {
     std::vector<std::unique_ptr<detail::Layers>> stages;
     for (size_t j = 0; j < partitions.size(); ++j) {
       stages.push_back(std::make_unique<PyLayers>(
@@ -70,7 +70,7 @@ class PyEngine {
                 stages.size(), " stages");
     TORCH_CHECK(chunks >= 1, "chunks must be at least 1, got ", chunks);
     engine_ = std::make_shared<detail::Engine>(std::move(stages), devices, chunks,
-                                               parse_checkpoint(checkpoint));
+                                               parse_checkpoint(checkpoint), intra_op_threads);
     engine_->set_error_hook(reraise_python);
   }
 
@@ -93,6 +93,7 @@ class PyEngine {
   }
 
   detail::Tracer& tracer() { return engine_->tracer(); }
+  const std::vector<int>& intra_op_threads() const { return engine_->intra_op_threads(); }
 
  private:
   std::shared_ptr<detail::Engine> engine_;
@@ -126,10 +127,16 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<PyEngine>(m, "Engine", "Runs stages of Python modules as a GPipe pipeline.")
       .def(py::init<const py::list&, const std::vector<c10::Device>&, int64_t,
-                    const std::string&>(),
+                    const std::string&, int64_t>(),
            py::arg("partitions"), py::arg("devices"), py::arg("chunks"), py::arg("checkpoint"),
+           py::arg("intra_op_threads") = 0,
            R"doc(partitions: one list of modules per stage; devices: one per stage;
-chunks: micro-batches per mini-batch; checkpoint: 'always', 'except_last' or 'never'.)doc")
+chunks: micro-batches per mini-batch; checkpoint: 'always', 'except_last' or 'never';
+intra_op_threads: 0 splits this thread's torch.get_num_threads() between the CPU stages,
+N > 0 gives each CPU stage N, -1 leaves torch's setting.)doc")
+      .def_property_readonly(
+          "intra_op_threads", [](const PyEngine& e) { return e.intra_op_threads(); },
+          "Each stage worker's intra-op thread count as set (0: left to torch).")
       .def("forward", &PyEngine::forward, py::arg("input"), py::arg("training"),
            R"doc(Runs a tensor or a tuple of tensors through the pipeline; under grad mode
 the outputs' grad_fn runs the backward half when backward() reaches it.)doc")

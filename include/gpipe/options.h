@@ -85,6 +85,14 @@ struct PipeOptions {
   /// The most recent events tracing keeps (whole steps; see gpipe::Trace).
   /// At least 1.
   TORCH_ARG(int64_t, trace_capacity) = kDefaultTraceCapacity;
+  /// Intra-op threads (as `at::set_num_threads`) of each CPU stage's worker,
+  /// fixed when the Pipe is built. 0: split the building thread's
+  /// `at::get_num_threads()` between the CPU stages, at least 1 each, the
+  /// first stages taking the remainder (5 threads, 2 stages: 3 and 2), so
+  /// the stages do not oversubscribe the cores. N > 0: N per CPU stage. -1:
+  /// leave torch's process-wide setting (every stage then uses all of it).
+  /// Accelerator stages and the caller's own thread count are never changed.
+  TORCH_ARG(int64_t, intra_op_threads) = 0;
 };
 
 }  // namespace gpipe

@@ -274,6 +274,13 @@ class Pipe(nn.Module):
             the originals' weight, bias and running-statistics tensors.
         trace: record every forward, backward, recompute and copy from the
             start (see :attr:`trace` and :func:`gpipe.tracing`).
+        intra_op_threads: intra-op threads (as ``torch.set_num_threads``) of
+            each CPU stage's worker, fixed when the Pipe is built. 0
+            (default): split this thread's ``torch.get_num_threads()``
+            between the CPU stages, at least 1 each, so K stages do not
+            oversubscribe the cores; N > 0: N per CPU stage; -1: leave
+            torch's setting (every stage then uses all of it). The caller's
+            own count is never changed; GPU stages are left alone.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``; ``balance`` is not
@@ -322,7 +329,7 @@ class Pipe(nn.Module):
                  devices: Optional[Union[Iterable[Device], Device]] = None, chunks: int = 1,
                  checkpoint: str = "except_last", batch_dim: BatchDim = 0,
                  output_batch_dim: Optional[BatchDim] = None, deferred_batch_norm: bool = False,
-                 trace: bool = False) -> None:
+                 trace: bool = False, intra_op_threads: int = 0) -> None:
         """Cuts ``module`` into ``balance`` stages on ``devices`` and starts one
         worker per stage; ``chunks`` micro-batches per mini-batch (cut along
         dim 0 by default), ``checkpoint`` mode, ``deferred_batch_norm`` and
@@ -379,6 +386,9 @@ class Pipe(nn.Module):
         self.devices = devices
         self.chunks = chunks
         self.checkpoint = checkpoint
+        #: Intra-op threads per CPU stage: 0 split, N each, -1 torch's setting.
+        self.intra_op_threads = _as_int(intra_op_threads, "intra_op_threads",
+                                        "pass 0 (split the cores), N or -1")
         #: Where inputs are cut and outputs joined (see the class docstring).
         self.batch_dim = batch_dim
         self.output_batch_dim = output_batch_dim
@@ -412,7 +422,8 @@ class Pipe(nn.Module):
         """Starts the C++ engine over the stages: the one place it is built, from
         the Pipe's attributes (construction, copies, unpickling and compile())."""
         parts = self._partitions() if self._stages is None else [[s] for s in self._stages]
-        self._engine = (_C.Engine(parts, self.devices, self.chunks, self.checkpoint) if parts
+        self._engine = (_C.Engine(parts, self.devices, self.chunks, self.checkpoint,
+                                  intra_op_threads=self.intra_op_threads) if parts
                         else _NoStages())
         self._engine.set_batch_dims(*self._batch_dims)
         self._engine.tracing = bool(trace)

@@ -76,6 +76,19 @@ def test_verdict_fails_loudly(trained, example):
     assert lines[-1].startswith("FAILED")
 
 
+def test_speed_is_reported_and_a_slower_pipeline_explained(example):
+    plain = example.Run("plain", accuracies=[0.97], seconds=1.0, steps=100)
+    slower = example.Run("pipelined", accuracies=[0.97], seconds=3.0, steps=100)
+    lines: List[str] = []
+    example.explain_speed(slower, plain, log=lines.append)
+    assert lines[0] == "speed: pipelined 30.00 ms per step, plain 10.00 ms per step"
+    assert lines[1].startswith("why the pipelined run is 3.0x slower") and "per cell" in lines[1]
+    faster = example.Run("pipelined", accuracies=[0.97], seconds=0.5, steps=100)
+    lines = []
+    example.explain_speed(faster, plain, log=lines.append)
+    assert lines == ["speed: pipelined 5.00 ms per step, plain 10.00 ms per step"]
+
+
 def test_main_wires_compare_to_verdict(trained, example, monkeypatch, tmp_path):
     """main() as the script runs it, reusing the runs above instead of training again;
     it draws the timeline of a traced step."""
