@@ -228,7 +228,9 @@ measures complete steps; `dropped` counts the events no longer kept.)doc")
            "Writes to_chrome_json() to path.")
       .def("summary", &gpipe::Trace::summary,
            "The measured bubble against GPipe's ideal and busy time per stage (a TraceSummary).")
-      .def("__len__", [](const gpipe::Trace& t) { return t.events.size(); });
+      .def(
+          "__len__", [](const gpipe::Trace& t) { return t.events.size(); },
+          "Number of kept events.");
 
   m.attr("DEFAULT_TRACE_CAPACITY") = gpipe::kDefaultTraceCapacity;
 

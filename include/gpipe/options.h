@@ -28,6 +28,7 @@ enum class Checkpoint {
 
 /// "always", "except_last" or "never".
 std::string to_string(Checkpoint checkpoint);
+/// Writes `to_string(checkpoint)`.
 std::ostream& operator<<(std::ostream& stream, Checkpoint checkpoint);
 
 /// Options for `gpipe::Pipe`.

@@ -107,6 +107,7 @@ class PipeImpl : public torch::nn::Module {
   /// micro-batch, start, end and thread. Off costs one relaxed atomic load
   /// per cell.
   void set_tracing(bool on);
+  /// Whether tracing is on.
   bool tracing() const;
   /// What was recorded so far (a copy); `trace().summary()` gives the
   /// measured bubble, `trace().save_chrome_json(path)` a Chrome trace.

@@ -10,7 +10,16 @@ namespace gpipe {
 /// The kind of work an event records. A checkpointed cell's backward is a
 /// Recompute event followed by a Backward event; Copy is a stage moving its
 /// input from another device (never recorded between CPU stages).
-enum class TracePhase : uint8_t { Forward, Backward, Recompute, Copy };
+enum class TracePhase : uint8_t {
+  /// A cell's forward.
+  Forward,
+  /// A cell's backward (after its Recompute when checkpointed).
+  Backward,
+  /// A checkpointed cell's forward run again just before its backward.
+  Recompute,
+  /// A stage moving its input (or grad) from another device.
+  Copy,
+};
 
 /// "forward", "backward", "recompute" or "copy".
 const char* to_string(TracePhase phase);
@@ -93,6 +102,7 @@ struct TraceSummary {
 /// An event that arrives for a step already dropped (a late backward) is
 /// dropped too.
 struct Trace {
+  /// The kept events, in the order they were recorded.
   std::vector<TraceEvent> events;
   /// Events recorded but no longer kept (since tracing started or the trace
   /// was last cleared); 0 when nothing was dropped.

@@ -39,6 +39,7 @@ TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
 #: balance_by_time times each layer at least this many times (after one
 #: warm-up run), however short the timeout: under load a single timing can
 #: be off by a whole scheduler time slice, many times the layer's own cost.
+#: Timed rounds each layer gets at least, after a warm-up round (balance_by_time).
 MIN_REPEATS = 3
 
 
@@ -161,7 +162,7 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
     layers, one layer at a time on ``device`` (moved there, run, moved back).
     Round 0 warms up (autograd's threads, allocators) and is not counted;
     rounds go on until ``timeout`` seconds have passed, but at least
-    :data:`MIN_REPEATS` are timed, so a slow model takes longer than
+    ``MIN_REPEATS`` are timed, so a slow model takes longer than
     ``timeout``. A layer's cost is its fastest timed run: other work on the
     machine (another process, a descheduled intra-op thread) only ever adds
     time to a run, so the fastest is the one it spoiled least, and rounds

@@ -19,6 +19,7 @@ class DeferredBatchNorm(_BatchNorm):
     twice. The Pipe tells it how many micro-batches each mini-batch has.
     """
 
+    #: Micro-batches in the current mini-batch (set by :meth:`begin`).
     microbatches: int
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
@@ -43,6 +44,10 @@ class DeferredBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Normalizes ``input`` with its own micro-batch's statistics in
+        training (BatchNorm's running statistics in eval); the running
+        statistics are updated once, when the mini-batch's last micro-batch
+        has been seen."""
         self._check_input_dim(input)
         if not self.training:
             return super().forward(input)
@@ -86,7 +91,7 @@ class DeferredBatchNorm(_BatchNorm):
         """Returns ``module`` with every BatchNorm (1d, 2d, 3d) replaced, in
         place, by a DeferredBatchNorm holding the same parameters and buffers
         (a BatchNorm passed itself is returned converted). ``gpipe.Pipe``
-        leaves its caller's model alone instead (see :func:`_deferred_copy`)."""
+        leaves its caller's model alone instead (converted copies of the BatchNorms and of the containers holding them)."""
         return _convert(cls, module, microbatches, in_place=True)
 
 

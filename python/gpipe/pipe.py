@@ -481,9 +481,11 @@ class Pipe(nn.Module):
         self._engine.clear_trace()
 
     def __len__(self) -> int:
+        """Number of layers, as ``len`` of the Sequential."""
         return len(self._layers)
 
     def __iter__(self) -> Iterator[nn.Module]:
+        """The layers in order, as iterating the Sequential."""
         return iter(self._layers)
 
     def __getitem__(self, index: Union[int, slice]) -> nn.Module:

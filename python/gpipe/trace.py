@@ -8,8 +8,8 @@ Example::
     trace.save_chrome_json("trace.json")   # chrome://tracing or ui.perfetto.dev
     gpipe.plot_timeline(trace, "timeline.png")
 
-A trace is bounded: a Pipe keeps the most recent :attr:`Pipe.trace_capacity
-<gpipe.Pipe.trace_capacity>` events (default :data:`DEFAULT_TRACE_CAPACITY`,
+A trace is bounded: a Pipe keeps the most recent
+:attr:`gpipe.Pipe.trace_capacity` events (default :data:`DEFAULT_TRACE_CAPACITY`,
 100,000, about 5.6 MB), dropping whole steps, oldest first, so a long run
 can stay traced and :meth:`Trace.summary` still measures complete steps;
 :attr:`Trace.dropped` counts what was dropped.
