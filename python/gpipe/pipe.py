@@ -59,6 +59,11 @@ def _as_int(value: Any, what: str, fix: str) -> int:
                         f"{fix}") from None
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 device', '2 devices': a count with its noun, for messages."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _parse_chunks(chunks: Any) -> int:
     chunks = _as_int(chunks, "chunks", "pass the number of micro-batches per mini-batch, "
                      "e.g. chunks=4")
@@ -376,7 +381,8 @@ class Pipe(nn.Module):
                    for i, d in enumerate(devices)]  # type: ignore[union-attr, arg-type]
         if len(devices) < len(balance):
             raise IndexError(f"too few devices to hold given partitions: got "
-                             f"{len(devices)} devices for {len(balance)} stages; pass one "
+                             f"{_count(len(devices), 'device')} for "
+                             f"{_count(len(balance), 'stage')}; pass one "
                              f"device per stage, e.g. devices={['cpu'] * len(balance)!r}, or "
                              f"one device for every stage, e.g. devices='cpu'")
         devices = devices[:len(balance)]
