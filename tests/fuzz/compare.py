@@ -268,7 +268,9 @@ def check(pipe: nn.Module, ref: nn.Sequential, inputs: Tensors, *, training: boo
     sides = (_Side(pipe, inputs, "the Pipe", "pipe"),
              _Side(ref, inputs, "the plain model", "plain"),
              _Side(BoundaryCloned(copy.deepcopy(ref), balance, chunks,
-                                  getattr(pipe, "checkpoint", "never")), inputs,
+                                  getattr(pipe, "checkpoint", "never"),
+                                  getattr(pipe, "batch_dim", 0),
+                                  getattr(pipe, "output_batch_dim", None)), inputs,
                    "the boundary-cloned model", "cloned"))
     p, plain, cloned = sides
     for side in sides:

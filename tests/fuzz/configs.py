@@ -44,14 +44,20 @@ class LayerSpec:
 
 @dataclass
 class InputSpec:
-    kind: str                 # 'float' or 'mask' (an int64 0/1 vector)
+    kind: str                 # 'float', 'mask' (an int64 0/1 vector) or 'table' (not cut)
     features: Tuple[int, ...]
     requires_grad: bool = False
+    batch_at: int = 0         # where the rows lie in the tensor given (its batch_dim entry)
+
+    def shape(self, rows: int) -> Tuple[int, ...]:
+        if self.kind == "table":
+            return self.features
+        return self.features[:self.batch_at] + (rows,) + self.features[self.batch_at:]
 
     def expr(self, rows: int) -> str:
         if self.kind == "mask":
             return f"torch.randint(0, 2, ({rows},), generator=g)"
-        shape = ", ".join(map(str, (rows,) + self.features))
+        shape = ", ".join(map(str, self.shape(rows)))
         return (f"torch.randn({shape}, dtype=dtype, generator=g)"
                 f".requires_grad_({self.requires_grad})")
 
@@ -71,16 +77,26 @@ class Config:
     backward: str = "backward"
     pre_grad: bool = False
     features: List[str] = field(default_factory=list)
+    #: The Pipe's batch_dim and output_batch_dim (None: not passed, the default).
+    batch_dim: Any = 0
+    output_batch_dim: Any = None
 
     def summary(self) -> str:
         inputs = ", ".join(("mask" if s.kind == "mask" else
-                            f"{(self.rows,) + s.features}{'+grad' if s.requires_grad else ''}")
+                            f"{s.shape(self.rows)}{'+grad' if s.requires_grad else ''}")
                            for s in self.inputs)
         return (f"layers=[{', '.join(s.short() for s in self.layers)}] balance={self.balance} "
                 f"chunks={self.chunks} checkpoint={self.checkpoint} dtype={self.dtype} "
-                f"inputs=({inputs}) {'train' if self.training else 'eval'}"
+                f"inputs=({inputs}){self._dims_args()} {'train' if self.training else 'eval'}"
                 f"{' no_grad' if self.no_grad else ''} backward={self.backward}"
                 f"{' pre_grad' if self.pre_grad else ''}")
+
+    def _dims_args(self) -> str:
+        """The Pipe's batch dim arguments, as passed (none where the defaults are used)."""
+        text = f", batch_dim={self.batch_dim!r}" if self.batch_dim != 0 else ""
+        if self.output_batch_dim is not None:
+            text += f", output_batch_dim={self.output_batch_dim!r}"
+        return text
 
     def body(self) -> str:
         """The reproduction: builds model, Pipe and inputs, then runs :func:`check`."""
@@ -92,7 +108,7 @@ class Config:
             "model = nn.Sequential(*layers)",
             "ref = copy.deepcopy(model)",
             f"pipe = gpipe.Pipe(model, balance={self.balance}, devices=['cpu'] * {k}, "
-            f"chunks={self.chunks}, checkpoint={self.checkpoint!r})",
+            f"chunks={self.chunks}, checkpoint={self.checkpoint!r}{self._dims_args()})",
             f"g = torch.Generator().manual_seed({self.seed})",
             f"inputs = {inputs[0]}" if len(inputs) == 1 else f"inputs = ({', '.join(inputs)})",
             f"mismatches = check(pipe, ref, inputs, training={self.training}, "
@@ -221,7 +237,8 @@ def _pick_layer(rng: random.Random, sig: Tuple[Any, ...], layers: List[LayerSpec
 def features_of(cfg: Config) -> List[str]:
     """Names --without can exclude: layer kinds, 'frozen', 'inplace-first' (an in-place ReLU
     opens a stage), 'tuple-input', 'float32', 'eval', 'no_grad', 'pre_grad', the backward and
-    checkpoint modes."""
+    checkpoint modes; 'batch_dim' (the Pipe gets batch_dim or output_batch_dim), and the batch
+    dim variants 'batch-second', 'batch-out', 'shared-input', 'tagged-output' (layer kinds)."""
     found = {s.kind for s in cfg.layers} | {cfg.backward, cfg.checkpoint}
     starts = {sum(cfg.balance[:j]) for j in range(len(cfg.balance))}
     found |= {"frozen"} if any(s.frozen for s in cfg.layers) else set()
@@ -231,7 +248,83 @@ def features_of(cfg: Config) -> List[str]:
     found |= {"eval"} if not cfg.training else set()
     found |= {"no_grad"} if cfg.no_grad else set()
     found |= {"pre_grad"} if cfg.pre_grad else set()
+    found |= {"batch_dim"} if cfg.batch_dim != 0 or cfg.output_batch_dim is not None else set()
     return sorted(found)
+
+
+#: Batch dim variants (each drawn on its own): the batch at dim 1 of the inputs given, the
+#: outputs' batch at dim 1 too (of batch-second ones), an input not cut, an output not joined.
+BATCH_DIM_ODDS = {"batch-second": 0.15, "batch-out": 0.5, "shared-input": 0.12,
+                  "tagged-output": 0.15}
+
+
+def _batch_dims(seed: int, body: List[LayerSpec], inputs: List[InputSpec],
+                sig: Tuple[Any, ...]) -> Tuple[List[LayerSpec], List[InputSpec], Any, Any]:
+    """Wraps the drawn model for the Pipe's batch_dim / output_batch_dim: layers around
+    ``body`` (whose output signature is ``sig``) that the plain model runs too, the inputs as
+    given, and the two arguments (0 and None: the defaults, as without a variant).
+
+    * batch-second: every float input comes with its rows at dim 1 (batch_dim 1, the mask's
+      entry 0); a first MoveBatch moves them to dim 0, and (batch-out) a last one may move
+      the float outputs' rows back to dim 1 (output_batch_dim 1).
+    * shared-input: one more float input, not cut (batch_dim entry None), that WithTable
+      uses whole in every micro-batch (its grad: summed over them).
+    * tagged-output: a last Tagged returns one more output, a parameter's, that depends on
+      no input (output_batch_dim entry None: micro-batch 0's)."""
+    # Its own generator (seeded by a string: stable across runs): the drawn model is that of
+    # earlier versions of the fuzzer, and configurations without a variant are unchanged.
+    rng = random.Random(f"batch dims {seed}")
+    second = rng.random() < BATCH_DIM_ODDS["batch-second"]
+    moved_out = second and rng.random() < BATCH_DIM_ODDS["batch-out"]
+    shared = rng.random() < BATCH_DIM_ODDS["shared-input"]
+    tagged = sig[0] in ("flat", "seq") and rng.random() < BATCH_DIM_ODDS["tagged-output"]
+    front: List[LayerSpec] = []
+    tail: List[LayerSpec] = []
+    inputs = [replace(s, batch_at=1 if second and s.kind == "float" else 0) for s in inputs]
+    in_dims: List[Optional[int]] = [s.batch_at for s in inputs]
+    first = inputs[0].features  # WithTable works on the first value, after MoveBatch
+    if shared:
+        how = rng.choice(["matmul", "matmul", "sum"])
+        n = first[-1]
+        table = (n, n) if how == "matmul" else (rng.randint(1, 3), rng.randint(1, 3))
+        inputs.append(InputSpec("table", table, rng.random() < 0.6))
+        in_dims.append(None)
+    if second:
+        src = tuple(in_dims)
+        dst = tuple(None if d is None else 0 for d in in_dims)
+        front.append(LayerSpec("batch-second", f"MoveBatch({src}, {dst})",
+                               ("batch-second",) + sig, ("batch-first",)))
+    if shared:
+        front.append(LayerSpec("shared-input", f"WithTable({how!r})", ("shared-input",),
+                               ("no-table",)))
+    # The outputs: one per value of sig ('masked': the mask's rows stay at dim 0).
+    out_dims: List[Optional[int]] = [1 if moved_out else 0]
+    if sig[0] in ("pair", "masked"):
+        out_dims.append(out_dims[0] if sig[0] == "pair" else 0)
+    if moved_out:
+        src = tuple(0 for _ in out_dims)
+        only = len(out_dims) == 1
+        tail.append(LayerSpec("batch-out", f"MoveBatch({src[:1] if only else src}, "
+                                           f"{tuple(out_dims)})", sig, ("batch-out",) + sig))
+    if tagged:
+        tail.append(LayerSpec("tagged-output", f"Tagged({rng.randint(1, 4)}, dtype=dtype)",
+                              ("flat",), ("tagged",)))
+        out_dims.append(None)
+    shift = len(front)  # TiedLinear's references move with the layers in front
+    layers = front + [replace(s, ref=None if s.ref is None else s.ref + shift) for s in body]
+    layers += tail
+    batch_dim: Any = 0
+    if any(d != 0 for d in in_dims):
+        same = len(set(in_dims)) == 1
+        batch_dim = in_dims[0] if same and rng.random() < 0.5 else list(in_dims)
+    default = batch_dim if isinstance(batch_dim, int) else next(
+        d for d in batch_dim if d is not None)
+    output_batch_dim: Any = None
+    if any(d != default for d in out_dims) or (len(set(out_dims)) == 1 and rng.random() < 0.3
+                                                 and batch_dim != 0):
+        same = len(set(out_dims)) == 1
+        output_batch_dim = out_dims[0] if same and rng.random() < 0.5 else list(out_dims)
+    return layers, inputs, batch_dim, output_batch_dim
 
 
 def generate(seed: int) -> Config:
@@ -261,6 +354,7 @@ def generate(seed: int) -> Config:
         for s in layers:
             s.frozen = s.kind in ("linear", "layernorm", "split", "conv", "mix", "first-only",
                                   "join", "masked")
+    layers, inputs, batch_dim, output_batch_dim = _batch_dims(seed, layers, inputs, sig)
     n = len(layers)
     k = rng.randint(1, min(4, n))
     cuts = sorted(rng.sample(range(1, n), k - 1))
@@ -273,7 +367,8 @@ def generate(seed: int) -> Config:
                  checkpoint=rng.choice(MODES),
                  dtype="float32" if rng.random() < 0.1 else "float64",
                  rows=rng.randint(1, 8), inputs=inputs, training=rng.random() < 0.8,
-                 no_grad=rng.random() < 0.12, backward=backward, pre_grad=rng.random() < 0.25)
+                 no_grad=rng.random() < 0.12, backward=backward, pre_grad=rng.random() < 0.25,
+                 batch_dim=batch_dim, output_batch_dim=output_batch_dim)
     cfg.features = features_of(cfg)
     return cfg
 

@@ -51,7 +51,7 @@ if HERE not in sys.path:  # the fuzzer's modules: layers, reference, compare, co
     sys.path.insert(0, HERE)
 
 from compare import CATEGORIES, Hang, check, run_config  # noqa: E402,F401 - check: re-exported
-from configs import generate, shrink  # noqa: E402
+from configs import BATCH_DIM_ODDS, generate, shrink  # noqa: E402
 from layers import *  # noqa: E402,F401,F403 - re-exported for older reproductions
 
 
@@ -63,6 +63,8 @@ class Summary:
     #: Configurations compared against the boundary-cloned model (see compare.py), not waived.
     cloned: int = 0
     by_category: Dict[str, int] = field(default_factory=dict)
+    #: Configurations run with each batch dim variant (see configs.BATCH_DIM_ODDS).
+    batch_dims: Dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
 
@@ -79,6 +81,9 @@ def run(seeds: Iterable[int], *, only: Sequence[str] = (), skip: Sequence[str] =
             summary.skipped += 1
             continue
         summary.configurations += 1
+        for variant in ("batch_dim",) + tuple(BATCH_DIM_ODDS):
+            if variant in cfg.features:
+                summary.batch_dims[variant] = summary.batch_dims.get(variant, 0) + 1
         if verbose:
             write(f"seed {seed}: {cfg.summary()}")
         try:
@@ -158,6 +163,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        if c in summary.by_category)
     print(f"fuzz: by category: {counts or 'none'}; {summary.skipped} skipped by --without; "
           f"{summary.seconds:.1f} s")
+    variants = ", ".join(f"{v} {n}" for v, n in summary.batch_dims.items())
+    print(f"fuzz: batch dims: {variants or 'none'} (configurations; 'batch_dim': the Pipe got "
+          f"batch_dim or output_batch_dim)")
     print(f"fuzz: {summary.configurations} configurations, {summary.mismatches} mismatches "
           f"({summary.cloned} compared against the boundary-cloned model)")
     if "hang" in summary.by_category:

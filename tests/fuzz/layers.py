@@ -28,7 +28,7 @@ import gpipe
 __all__ = ["FuzzError", "ReplayError", "MaskDropout", "CondDropout", "ExternalMatmul", "Shared",
            "ClosureMatmul", "BufferScale", "TiedLinear", "Detach", "Constant", "RaiseIf",
            "RaiseInBackward", "Split", "Mix", "Swap", "PairTanh", "FirstOnly", "Join",
-           "PairProduct", "Masked", "Unmask"]
+           "PairProduct", "Masked", "Unmask", "MoveBatch", "WithTable", "Tagged"]
 
 class FuzzError(Exception):
     """Raised on purpose by RaiseIf / RaiseInBackward: the Pipe must raise this very type."""
@@ -285,3 +285,50 @@ class Unmask(nn.Module):
     def forward(self, inputs: Tuple[Tensor, Tensor]) -> Tensor:
         x, mask = inputs
         return x * mask.to(x.dtype).unsqueeze(1)
+
+
+# -- batch dims: the Pipe's batch_dim / output_batch_dim -----------------------------------------
+
+class MoveBatch(nn.Module):
+    """Moves value v's dim ``src[v]`` to ``dst[v]`` (None: left alone), parameterless: the first
+    layer of a batch-second configuration (inputs given with the batch at dim 1, the Pipe's
+    ``batch_dim=1``) moves the batch to dim 0 for the layers that follow; a last one may move it
+    back (``output_batch_dim=1``). The plain model runs the very same layers."""
+
+    def __init__(self, src: Tuple[Optional[int], ...], dst: Tuple[Optional[int], ...]) -> None:
+        super().__init__()
+        self.src, self.dst = tuple(src), tuple(dst)
+
+    def forward(self, x: Any) -> Any:
+        values = x if isinstance(x, tuple) else (x,)
+        moved = tuple(t if s is None or s == d else t.movedim(s, d)
+                      for t, s, d in zip(values, self.src, self.dst))
+        return moved if isinstance(x, tuple) else moved[0]
+
+
+class WithTable(nn.Module):
+    """(x, ..., table) -> (x @ table, ...) or (x + table.sum(), ...): the table is an input the
+    Pipe does not cut (batch_dim entry None); every micro-batch uses all of it, so its grad is
+    the sum over micro-batches."""
+
+    def __init__(self, how: str = "matmul") -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, inputs: Tuple[Tensor, ...]) -> Any:
+        *rest, table = inputs
+        x = rest[0] @ table if self.how == "matmul" else rest[0] + table.sum()
+        out = (x,) + tuple(rest[1:])
+        return out if len(out) > 1 else out[0]
+
+
+class Tagged(nn.Module):
+    """x -> (x, 2 * t) with t a parameter: the second output does not depend on the batch, so
+    the Pipe returns micro-batch 0's (output_batch_dim entry None); t's grad comes from it once."""
+
+    def __init__(self, n: int, dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        self.t = nn.Parameter(torch.randn(n, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        return x, 2.0 * self.t

@@ -9,9 +9,11 @@ computation has been modified by an inplace operation": the recompute
 regenerates it). There the Pipe is compared against :class:`BoundaryCloned`,
 the same layers run cell by cell (stage x micro-batch) with gpipe's rules:
 
-* Micro-batches: the inputs cut along dim 0 like ``torch.chunk``; with more
-  than one, every piece counts its versions on its own (csrc/engine.cpp), and
-  the outputs are concatenated.
+* Micro-batches: each input value cut along its ``batch_dim`` entry like
+  ``torch.tensor_split`` (a None entry: every micro-batch gets all of it); with
+  more than one, every piece counts its versions on its own (csrc/engine.cpp),
+  and the outputs are concatenated along their ``output_batch_dim`` entry (a
+  None entry: micro-batch 0's value).
 * Hand-over: a stage gets a detached alias of what it is given (same storage
   and version counter; :class:`_Handover` keeps the grad flowing), so in-place
   work changes the previous stage's output, or the caller's tensor.
@@ -126,17 +128,30 @@ def _draws(stage: Sequence[nn.Module], rows: int) -> bool:
     return any(isinstance(l, MaskDropout) and l.training and l.draws(dummy) for l in stage)
 
 
+def _entries(dims: List[Optional[int]], count: int) -> List[Optional[int]]:
+    """One batch dim entry per value (a single entry serves them all)."""
+    return dims * count if len(dims) == 1 else dims
+
+
 class BoundaryCloned(nn.Sequential):
     """The same layers run cell by cell as gpipe runs them (see the module docstring); layer
     names are the plain model's. ``errors`` lists, after a forward, every cell that raised
     (micro-batch, stage, exception): each micro-batch goes on until its first error."""
 
     def __init__(self, model: nn.Sequential, balance: Sequence[int], chunks: int = 1,
-                 checkpoint: str = "never") -> None:
+                 checkpoint: str = "never", batch_dim: Any = 0,
+                 output_batch_dim: Any = None) -> None:
         super().__init__(*model)
         starts = [sum(balance[:j]) for j in range(len(balance) + 1)]
         self.stages = [list(range(a, b)) for a, b in zip(starts, starts[1:])]
         self.chunks, self.checkpoint = chunks, checkpoint
+        # The Pipe's rules: one entry serves every value; the output default is batch_dim, or
+        # its first entry that is not None.
+        self.in_dims = list(batch_dim) if isinstance(batch_dim, (list, tuple)) else [batch_dim]
+        if output_batch_dim is None:
+            output_batch_dim = next((d for d in self.in_dims if d is not None), 0)
+        self.out_dims = (list(output_batch_dim) if isinstance(output_batch_dim, (list, tuple))
+                         else [output_batch_dim])
         self.errors: List[Tuple[int, int, BaseException]] = []
 
     def _cell(self, j: int, x: Any, checkpointed: bool, fresh: bool) -> Any:
@@ -163,11 +178,16 @@ class BoundaryCloned(nn.Sequential):
     def forward(self, x: Any) -> Any:  # type: ignore[override]
         self.errors = []
         callers = as_tuple(x)
+        dims = _entries(self.in_dims, len(callers))
+        cut = [(t, d) for t, d in zip(callers, dims) if d is not None and t.dim() > 0]
         # The Pipe's cut: min(chunks, rows) pieces differing by at most one row, larger first.
-        m = min(self.chunks, callers[0].shape[0]) if callers[0].shape[0] else 1
-        pieces = ([tuple(t.tensor_split(m)[i] for t in callers) for i in range(m)] if m > 1
+        total = cut[0][0].shape[cut[0][1]] if cut else 0
+        m = min(self.chunks, total) if total else 1
+        pieces = ([tuple(t if d is None else t.tensor_split(m, dim=d)[i]
+                         for t, d in zip(callers, dims)) for i in range(m)] if m > 1
                   else [callers])
-        rows = [p[0].shape[0] for p in pieces]
+        rows = ([p.shape[cut[0][1]] for p in cut[0][0].tensor_split(m, dim=cut[0][1])] if m > 1
+                else [total])
         graph = torch.is_grad_enabled() and self.training
         stop = CHECKPOINT_STOPS[self.checkpoint](m) if graph else 0
         # Dropout replays the Pipe's masks (whole batch, micro-batch order): each cell its slice.
@@ -201,7 +221,9 @@ class BoundaryCloned(nn.Sequential):
             raise min(self.errors, key=lambda e: (e[0] + e[1], e[0]))[2]
         if m == 1:
             return results[0]
-        outs = tuple(torch.cat(parts) for parts in zip(*(as_tuple(r) for r in results)))
+        values = list(zip(*(as_tuple(r) for r in results)))
+        outs = tuple(parts[0] if d is None else torch.cat(parts, dim=d)
+                     for parts, d in zip(values, _entries(self.out_dims, len(values))))
         return outs if isinstance(results[0], tuple) else outs[0]
 
     def first_errors(self) -> List[BaseException]:
