@@ -8,7 +8,9 @@ grad without being parameters of their layer) and how it runs: a balance over
 or float32, one tensor or a tuple of inputs that require grad or not,
 train/eval, ``torch.no_grad()``, and how gradients are asked for
 (``loss.backward()``, ``torch.autograd.grad`` of the inputs or of the
-parameters, ``backward(inputs=...)``). :meth:`Config.body` is the Python that
+parameters, ``backward(inputs=...)``), and the Pipe's ``batch_dim`` /
+``output_batch_dim`` (inputs and outputs with the batch at dim 1, an input not
+cut, an output not joined: :func:`_batch_dims`). :meth:`Config.body` is the Python that
 builds it and calls :func:`compare.check`; :func:`shrink` simplifies a failing
 one while the same kind of mismatch remains.
 """

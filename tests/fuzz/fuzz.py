@@ -26,7 +26,9 @@ shows the original). ``--verbose`` or ``--seed N`` also prints the shrunk
 configuration as a standalone Python snippet (it imports :mod:`layers` and
 :func:`compare.check`). The last line is ``fuzz: N configurations, M
 mismatches (C compared against the boundary-cloned model)`` (M counts
-configuration x category); the exit code is 1 when M > 0.
+configuration x category); the exit code is 1 when M > 0. The line before
+it counts the configurations run with each batch dim variant (the Pipe given
+``batch_dim`` / ``output_batch_dim``; see ``configs._batch_dims``).
 
 Categories: ``exception`` (one side raises and the other does not, or the
 types differ), ``output`` (values, shapes, dtypes or tuple structure, or the

@@ -42,6 +42,17 @@ def test_fixed_seeds_match_the_plain_model():
         f"model):\n" + "\n".join(lines))
 
 
+def test_fixed_seeds_draw_the_batch_dim_variants():
+    """The fixed range runs the Pipe's batch_dim / output_batch_dim: batch-second inputs and
+    outputs, an input not cut, an output not joined."""
+    fuzz = load_fuzz()
+    drawn = {v: 0 for v in fuzz.BATCH_DIM_ODDS}
+    for seed in SEEDS:
+        for v in fuzz.generate(seed).features:
+            drawn[v] = drawn.get(v, 0) + 1
+    assert all(drawn[v] >= 5 for v in fuzz.BATCH_DIM_ODDS), drawn
+
+
 def test_generation_is_deterministic():
     """A seed names one configuration: the reported seeds stay reproducible."""
     fuzz = load_fuzz()
