@@ -79,7 +79,7 @@ std::optional<c10::DeviceIndex> autograd_device_thread() {
 
 std::vector<int> intra_op_split(const std::vector<c10::Device>& devices, int64_t option,
                                 int available) {
-  TORCH_CHECK(option >= -1, "intra_op_threads is ", option,
+  GPIPE_CHECK_VALUE(option >= -1, "intra_op_threads is ", option,
               "; pass 0 to split the cores between the CPU stages (the default), a positive "
               "count of threads per CPU stage, or -1 to leave torch's setting alone");
   std::vector<int> threads(devices.size(), 0);

@@ -54,5 +54,5 @@ def test_engine_option_overrides_and_refuses_below_minus_one():
     cpus = [torch.device("cpu")] * 2
     assert _C.Engine(parts, cpus, 1, "never", intra_op_threads=3).intra_op_threads == [3, 3]
     assert _C.Engine(parts, cpus, 1, "never", intra_op_threads=-1).intra_op_threads == [0, 0]
-    with pytest.raises(RuntimeError, match="intra_op_threads is -2"):
+    with pytest.raises(ValueError, match="intra_op_threads is -2"):
         _C.Engine(parts, cpus, 1, "never", intra_op_threads=-2)
