@@ -1,4 +1,4 @@
-// options.h — how a Pipe cuts a model and a batch: balance, devices, chunks, checkpoint.
+// options.h — how a Pipe cuts a model and a batch: balance, devices, chunks, batch dims, checkpoint, tracing, threads.
 #pragma once
 
 #include <gpipe/trace.h>
@@ -64,8 +64,10 @@ struct PipeOptions {
   TORCH_ARG(std::vector<std::optional<int64_t>>, batch_dim) = {0};
 
  public:
-  /// The batch dim of one value for all values: `batch_dim(1)`.
-  PipeOptions& batch_dim(int64_t dim) { return batch_dim(std::vector<std::optional<int64_t>>{dim}); }
+  /// One batch dim for every input value: `batch_dim(1)`.
+  PipeOptions& batch_dim(int64_t dim) {
+    return batch_dim(std::vector<std::optional<int64_t>>{dim});
+  }
   /// Where the micro-batches' outputs are joined, entries as in
   /// `batch_dim`; `std::nullopt` marks an output returned from micro-batch 0
   /// alone (one that does not depend on the cut inputs, e.g. a mask passed
@@ -74,7 +76,7 @@ struct PipeOptions {
   TORCH_ARG(std::vector<std::optional<int64_t>>, output_batch_dim) = {};
 
  public:
-  /// The output batch dim of one value for all values.
+  /// One output batch dim for every output value: `output_batch_dim(1)`.
   PipeOptions& output_batch_dim(int64_t dim) {
     return output_batch_dim(std::vector<std::optional<int64_t>>{dim});
   }
