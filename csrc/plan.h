@@ -1,0 +1,125 @@
+// plan.h — a training step's schedule as data: each worker's ordered F/B/I/W tasks; generators, validator, simulation. No torch.
+//
+// `train_step` runs the whole step inside the pipeline, so forwards and
+// backwards may interleave. A plan gives each worker (one per device today,
+// one per process later) the tasks it runs, in order. Stage s of S runs on
+// worker s mod W (S = v·W with v virtual stages per worker). A task is
+//
+//   F(s, i)  forward of micro-batch i through stage s; on the last stage
+//            followed by the loss of micro-batch i and its grad
+//   B(s, i)  the whole backward of (s, i): input grads and weight grads
+//   I(s, i)  zero-bubble's first half of B: the input grads only
+//   W(s, i)  the second half: the weight grads, from what I kept
+//
+// and depends on
+//
+//   F(s, i)         F(s-1, i)                            (s > 0)
+//   B(s, i), I(s,i) F(s, i), and B(s+1, i) or I(s+1, i)   (s < S-1)
+//   W(s, i)         I(s, i)
+//
+// Data crosses workers only along these edges; a worker runs its list in
+// order and blocks on a missing input, so a plan deadlocks exactly when
+// these edges and the lists' orders make a cycle (`validate`).
+//
+//   1f1b, W = 4, M = 8, every task one tick (`render`):
+//   worker 0: F0 F1 F2 F3 .. .. .. B0 F4 B1 F5 B2 F6 B3 F7 B4 .. B5 .. B6 .. B7
+//   ...
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace gpipe::detail {
+
+enum class Op : uint8_t { F, B, I, W };
+
+struct Task {
+  Op op;
+  int64_t stage;
+  int64_t microbatch;
+
+  bool operator==(const Task& other) const = default;
+};
+
+/// "F3", "I0" (stage omitted: a worker's list names it by position), and
+/// with the stage for logs and errors: `describe(task)` = "F(stage 2, micro-batch 3)".
+std::ostream& operator<<(std::ostream& out, const Task& task);
+std::string describe(const Task& task);
+
+/// Which plan a Pipe's train_step runs (see gpipe::Schedule).
+enum class PlanKind : uint8_t { GPipe, OneFOneB, Interleaved1F1B, ZBH1 };
+
+/// "gpipe", "1f1b", "interleaved_1f1b", "zb_h1".
+std::string to_string(PlanKind kind);
+
+struct Plan {
+  PlanKind kind = PlanKind::GPipe;
+  int64_t workers = 0;
+  /// Stages in all: virtual stages per worker times workers.
+  int64_t stages = 0;
+  int64_t microbatches = 0;
+  /// lists[w]: the tasks of worker w in the order it runs them.
+  std::vector<std::vector<Task>> lists;
+
+  int64_t worker_of(int64_t stage) const noexcept { return stage % workers; }
+};
+
+/// The generators. Each throws std::invalid_argument naming the bad count
+/// (workers, virtual stages or micro-batches below 1).
+///
+/// gpipe: every F in micro-batch order, then every B in reverse.
+Plan gpipe_plan(int64_t workers, int64_t microbatches);
+/// 1F1B (PipeDream-flush): W-w-1 warm-up forwards on worker w, then one
+/// forward and one backward in turn, then the remaining backwards.
+Plan one_f_one_b_plan(int64_t workers, int64_t microbatches);
+/// Megatron-LM's interleaved 1F1B: v stages per worker (stage s on worker
+/// s mod W), micro-batches in groups of W per stage.
+Plan interleaved_1f1b_plan(int64_t workers, int64_t virtual_stages, int64_t microbatches);
+/// ZB-H1 (Qi et al., ICLR 2024): 1F1B with each B split into I and W, the
+/// W's deferred to fill the drain bubble; at most as many micro-batches in
+/// flight per worker as 1F1B.
+Plan zb_h1_plan(int64_t workers, int64_t microbatches);
+/// The plan of `kind`; `virtual_stages` must be 1 except for interleaved.
+Plan make_plan(PlanKind kind, int64_t workers, int64_t virtual_stages, int64_t microbatches);
+
+/// Throws std::invalid_argument naming the first problem: a task on the
+/// wrong worker or out of range, a task missing or repeated (each (stage,
+/// micro-batch) has one F and either one B or one I and one W), or a
+/// deadlock (naming the tasks each blocked worker waits on).
+void validate(const Plan& plan);
+
+/// Durations of each kind of task, in any unit.
+struct Costs {
+  double f = 1;
+  double b = 2;
+  double i = 1;
+  double w = 1;
+};
+
+struct Simulation {
+  /// start[w][k]: when lists[w][k] starts, each task starting as soon as
+  /// its inputs are there and its worker is free.
+  std::vector<std::vector<double>> start;
+  /// When the last task ends.
+  double makespan = 0;
+  /// Sum of every task's duration.
+  double work = 0;
+  /// Idle fraction of the workers until the makespan:
+  /// 1 - work / (workers * makespan).
+  double bubble = 0;
+  /// Peak count per worker of micro-batches whose activations are held
+  /// (from F until B, or until W when split).
+  std::vector<int64_t> peak_in_flight;
+};
+
+/// Runs `plan` on paper. Throws std::invalid_argument when it deadlocks.
+Simulation simulate(const Plan& plan, const Costs& costs = {});
+
+/// The plan as a picture, every task one tick: one line per worker,
+/// "worker 0: F0 F1 .. B0", a cell per tick; with virtual stages a cell
+/// also names the stage ("F0.1": micro-batch 0 on stage 1).
+std::string render(const Plan& plan);
+
+}  // namespace gpipe::detail
