@@ -1,0 +1,544 @@
+// plan.cpp — the training-step plans (gpipe, 1f1b, interleaved 1f1b, zb-h1), their validator, simulation and picture.
+#include "plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace gpipe::detail {
+
+namespace {
+
+constexpr char kOpLetter[] = {'F', 'B', 'I', 'W'};
+
+char letter(Op op) { return kOpLetter[static_cast<size_t>(op)]; }
+
+size_t at(int64_t n) { return static_cast<size_t>(n); }
+
+void require_count(const char* name, int64_t value) {
+  if (value < 1) {
+    throw std::invalid_argument(std::string(name) + " is " + std::to_string(value) +
+                                " but a plan needs at least 1; pass " + name + " >= 1");
+  }
+}
+
+Plan empty_plan(PlanKind kind, int64_t workers, int64_t virtual_stages, int64_t microbatches) {
+  require_count("workers", workers);
+  require_count("virtual_stages", virtual_stages);
+  require_count("microbatches", microbatches);
+  Plan plan;
+  plan.kind = kind;
+  plan.workers = workers;
+  plan.stages = workers * virtual_stages;
+  plan.microbatches = microbatches;
+  plan.lists.resize(at(workers));
+  return plan;
+}
+
+// ---- the structure: every task in range, on its worker, once ----------------
+
+// Per (stage, micro-batch): whether its backward is split into I and W, so a
+// dependency on "the backward of (s+1, i)" knows which task to wait for.
+using Split = std::vector<std::vector<bool>>;
+
+std::string where(int64_t worker, size_t position) {
+  return "worker " + std::to_string(worker) + "'s task " + std::to_string(position);
+}
+
+Split check_structure(const Plan& plan) {
+  if (plan.workers < 1) {
+    throw std::invalid_argument("plan has " + std::to_string(plan.workers) +
+                                " workers; a plan needs at least 1");
+  }
+  if (plan.microbatches < 1) {
+    throw std::invalid_argument("plan has " + std::to_string(plan.microbatches) +
+                                " micro-batches; a plan needs at least 1");
+  }
+  if (plan.stages < plan.workers || plan.stages % plan.workers != 0) {
+    throw std::invalid_argument("plan has " + std::to_string(plan.stages) + " stages on " +
+                                std::to_string(plan.workers) +
+                                " workers; stages must be a positive multiple of workers "
+                                "(virtual stages per worker times workers)");
+  }
+  if (static_cast<int64_t>(plan.lists.size()) != plan.workers) {
+    throw std::invalid_argument("plan has " + std::to_string(plan.lists.size()) + " lists for " +
+                                std::to_string(plan.workers) +
+                                " workers; give one list per worker");
+  }
+  const size_t stages = at(plan.stages);
+  const size_t m = at(plan.microbatches);
+  // seen[op][stage][micro-batch]: where the task first appears, or none.
+  struct Seen {
+    int64_t worker = -1;
+    size_t position = 0;
+  };
+  std::vector<std::vector<std::vector<Seen>>> seen(
+      4, std::vector<std::vector<Seen>>(stages, std::vector<Seen>(m)));
+  for (int64_t w = 0; w < plan.workers; ++w) {
+    const auto& list = plan.lists[at(w)];
+    for (size_t k = 0; k < list.size(); ++k) {
+      const Task& t = list[k];
+      if (t.stage < 0 || t.stage >= plan.stages) {
+        throw std::invalid_argument(where(w, k) + ", " + describe(t) + ": stage " +
+                                    std::to_string(t.stage) + " is out of range for a plan of " +
+                                    std::to_string(plan.stages) + " stages");
+      }
+      if (t.microbatch < 0 || t.microbatch >= plan.microbatches) {
+        throw std::invalid_argument(where(w, k) + ", " + describe(t) + ": micro-batch " +
+                                    std::to_string(t.microbatch) +
+                                    " is out of range for a plan of " +
+                                    std::to_string(plan.microbatches) + " micro-batches");
+      }
+      if (plan.worker_of(t.stage) != w) {
+        throw std::invalid_argument(describe(t) + " is in worker " + std::to_string(w) +
+                                    "'s list but stage " + std::to_string(t.stage) +
+                                    " runs on worker " + std::to_string(plan.worker_of(t.stage)) +
+                                    " (stage mod " + std::to_string(plan.workers) +
+                                    "); move it to that worker's list");
+      }
+      Seen& s = seen[static_cast<size_t>(t.op)][at(t.stage)][at(t.microbatch)];
+      if (s.worker >= 0) {
+        throw std::invalid_argument(describe(t) + " appears twice, as " + where(s.worker, s.position) +
+                                    " and " + where(w, k) + "; each task runs once");
+      }
+      s = {w, k};
+    }
+  }
+  Split split(stages, std::vector<bool>(m, false));
+  auto has = [&](Op op, size_t s, size_t i) {
+    return seen[static_cast<size_t>(op)][s][i].worker >= 0;
+  };
+  for (size_t s = 0; s < stages; ++s) {
+    for (size_t i = 0; i < m; ++i) {
+      auto task = [&](Op op) {
+        return describe({op, static_cast<int64_t>(s), static_cast<int64_t>(i)});
+      };
+      const std::string need =
+          "; each (stage, micro-batch) needs one F and either one B or one I and one W";
+      if (!has(Op::F, s, i)) throw std::invalid_argument(task(Op::F) + " is missing" + need);
+      const bool b = has(Op::B, s, i);
+      const bool in = has(Op::I, s, i);
+      const bool wt = has(Op::W, s, i);
+      if (b && (in || wt)) {
+        throw std::invalid_argument(task(Op::B) + " and " + task(in ? Op::I : Op::W) +
+                                    " both appear; a backward runs whole (B) or split "
+                                    "(I then W), not both");
+      }
+      if (!b && !in && !wt) throw std::invalid_argument(task(Op::B) + " is missing" + need);
+      if (!b && !in) throw std::invalid_argument(task(Op::I) + " is missing" + need);
+      if (!b && !wt) throw std::invalid_argument(task(Op::W) + " is missing" + need);
+      split[s][i] = !b;
+    }
+  }
+  return split;
+}
+
+// ---- the run: each worker in list order, each task when its inputs are there --
+
+struct Run {
+  std::vector<std::vector<double>> start;
+  double makespan = 0;
+};
+
+// The tasks `task` waits for (at most two), per the edges in plan.h.
+int dependencies(const Plan& plan, const Split& split, const Task& task, Task out[2]) {
+  const int64_t s = task.stage;
+  const int64_t i = task.microbatch;
+  switch (task.op) {
+    case Op::F:
+      if (s == 0) return 0;
+      out[0] = {Op::F, s - 1, i};
+      return 1;
+    case Op::B:
+    case Op::I:
+      out[0] = {Op::F, s, i};
+      if (s + 1 == plan.stages) return 1;
+      out[1] = {split[at(s + 1)][at(i)] ? Op::I : Op::B, s + 1, i};
+      return 2;
+    case Op::W:
+      out[0] = {Op::I, s, i};
+      return 1;
+  }
+  return 0;
+}
+
+double duration(Op op, const Costs& costs) {
+  switch (op) {
+    case Op::F: return costs.f;
+    case Op::B: return costs.b;
+    case Op::I: return costs.i;
+    case Op::W: return costs.w;
+  }
+  return 0;
+}
+
+// Sweeps the workers, moving each as far down its list as its inputs allow,
+// until all are done or none can move: then the plan deadlocks, and the
+// error names what each stuck worker waits for. A start time only depends on
+// tasks that ended before, so the sweep order does not change the times.
+Run run(const Plan& plan, const Split& split, const Costs& costs) {
+  constexpr double kPending = -1;
+  const size_t stages = at(plan.stages);
+  const size_t m = at(plan.microbatches);
+  std::vector<std::vector<std::vector<double>>> end(
+      4, std::vector<std::vector<double>>(stages, std::vector<double>(m, kPending)));
+  auto end_of = [&](const Task& t) -> double& {
+    return end[static_cast<size_t>(t.op)][at(t.stage)][at(t.microbatch)];
+  };
+  const size_t workers = at(plan.workers);
+  Run result;
+  result.start.resize(workers);
+  std::vector<size_t> next(workers, 0);
+  std::vector<double> free_at(workers, 0);
+  size_t remaining = 0;
+  for (const auto& list : plan.lists) remaining += list.size();
+
+  while (remaining > 0) {
+    bool progressed = false;
+    for (size_t w = 0; w < workers; ++w) {
+      const auto& list = plan.lists[w];
+      while (next[w] < list.size()) {
+        const Task& t = list[next[w]];
+        Task deps[2];
+        const int n = dependencies(plan, split, t, deps);
+        double ready = free_at[w];
+        bool blocked = false;
+        for (int d = 0; d < n; ++d) {
+          const double e = end_of(deps[d]);
+          if (e == kPending) {
+            blocked = true;
+            break;
+          }
+          ready = std::max(ready, e);
+        }
+        if (blocked) break;
+        result.start[w].push_back(ready);
+        free_at[w] = ready + duration(t.op, costs);
+        end_of(t) = free_at[w];
+        result.makespan = std::max(result.makespan, free_at[w]);
+        ++next[w];
+        --remaining;
+        progressed = true;
+      }
+    }
+    if (progressed) continue;
+    std::string message = "plan deadlocks, every unfinished worker waits:";
+    for (size_t w = 0; w < workers; ++w) {
+      const auto& list = plan.lists[w];
+      if (next[w] == list.size()) continue;
+      const Task& t = list[next[w]];
+      Task deps[2];
+      const int n = dependencies(plan, split, t, deps);
+      for (int d = 0; d < n; ++d) {
+        if (end_of(deps[d]) != kPending) continue;
+        const auto owner = plan.worker_of(deps[d].stage);
+        message += " worker " + std::to_string(w) + " at " + describe(t) + " for " +
+                   describe(deps[d]) +
+                   (at(owner) == w ? " (later in its own list);"
+                                   : " (worker " + std::to_string(owner) + ");");
+        break;
+      }
+    }
+    message.back() = ';';
+    throw std::invalid_argument(message +
+                                " reorder the lists so that each task's inputs can run first");
+  }
+  return result;
+}
+
+void check_costs(const Costs& costs) {
+  for (auto [name, value] : {std::pair{"f", costs.f}, std::pair{"b", costs.b},
+                             std::pair{"i", costs.i}, std::pair{"w", costs.w}}) {
+    if (!std::isfinite(value) || value < 0) {
+      std::ostringstream out;
+      out << "cost " << name << " is " << value << "; durations must be finite and >= 0";
+      throw std::invalid_argument(out.str());
+    }
+  }
+}
+
+// The interleaved schedule's micro-batch groups, [first, last) each: groups
+// of `workers` (a group leaves a worker through one chunk and is back, on the
+// next chunk, just as the group is done), and when M is not a multiple of W
+// the remainder joins the last group. A short group of its own would send
+// its micro-batches round to the next chunk faster than the pipeline turns,
+// so a worker would wait for a forward while its neighbour waits on it for a
+// backward: such plans deadlock (W=4, v=3, M=5 does).
+std::vector<std::pair<int64_t, int64_t>> groups(int64_t workers, int64_t microbatches) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t first = 0, last = 0; first < microbatches; first = last) {
+    last = std::min(first + workers, microbatches);
+    if (microbatches - last < workers) last = microbatches;
+    out.emplace_back(first, last);
+  }
+  return out;
+}
+
+// One worker's (local stage, micro-batch) pairs in the order it runs their
+// forwards: each group through local stage 0, then 1, ...; backwards run in
+// the same order with the local stages reversed.
+std::vector<std::pair<int64_t, int64_t>> chunk_order(
+    const std::vector<std::pair<int64_t, int64_t>>& groups, int64_t virtual_stages,
+    bool backward) {
+  std::vector<std::pair<int64_t, int64_t>> order;
+  for (const auto& [first, last] : groups) {
+    for (int64_t c = 0; c < virtual_stages; ++c) {
+      const int64_t chunk = backward ? virtual_stages - 1 - c : c;
+      for (int64_t i = first; i < last; ++i) order.emplace_back(chunk, i);
+    }
+  }
+  return order;
+}
+
+}  // namespace
+
+std::ostream& operator<<(std::ostream& out, const Task& task) {
+  return out << letter(task.op) << task.microbatch;
+}
+
+std::string describe(const Task& task) {
+  return std::string(1, letter(task.op)) + "(stage " + std::to_string(task.stage) +
+         ", micro-batch " + std::to_string(task.microbatch) + ")";
+}
+
+std::string to_string(PlanKind kind) {
+  switch (kind) {
+    case PlanKind::GPipe: return "gpipe";
+    case PlanKind::OneFOneB: return "1f1b";
+    case PlanKind::Interleaved1F1B: return "interleaved_1f1b";
+    case PlanKind::ZBH1: return "zb_h1";
+  }
+  return "unknown";
+}
+
+Plan gpipe_plan(int64_t workers, int64_t microbatches) {
+  Plan plan = empty_plan(PlanKind::GPipe, workers, 1, microbatches);
+  for (int64_t w = 0; w < workers; ++w) {
+    auto& list = plan.lists[at(w)];
+    for (int64_t i = 0; i < microbatches; ++i) list.push_back({Op::F, w, i});
+    for (int64_t i = microbatches - 1; i >= 0; --i) list.push_back({Op::B, w, i});
+  }
+  return plan;
+}
+
+Plan one_f_one_b_plan(int64_t workers, int64_t microbatches) {
+  Plan plan = empty_plan(PlanKind::OneFOneB, workers, 1, microbatches);
+  for (int64_t w = 0; w < workers; ++w) {
+    auto& list = plan.lists[at(w)];
+    // Enough forwards in flight that micro-batch 0's backward arrives from
+    // the last worker just as this one would start idling; later workers
+    // need fewer. Never more than there are micro-batches.
+    const int64_t warmup = std::min(workers - w - 1, microbatches);
+    for (int64_t i = 0; i < warmup; ++i) list.push_back({Op::F, w, i});
+    for (int64_t k = 0; k + warmup < microbatches; ++k) {
+      list.push_back({Op::F, w, k + warmup});
+      list.push_back({Op::B, w, k});
+    }
+    for (int64_t k = microbatches - warmup; k < microbatches; ++k) list.push_back({Op::B, w, k});
+  }
+  return plan;
+}
+
+Plan interleaved_1f1b_plan(int64_t workers, int64_t virtual_stages, int64_t microbatches) {
+  Plan plan = empty_plan(PlanKind::Interleaved1F1B, workers, virtual_stages, microbatches);
+  const auto grouped = groups(workers, microbatches);
+  const auto forward = chunk_order(grouped, virtual_stages, /*backward=*/false);
+  const auto backward = chunk_order(grouped, virtual_stages, /*backward=*/true);
+  const auto total = static_cast<int64_t>(forward.size());
+  int64_t largest = 0;
+  for (const auto& [first, last] : grouped) largest = std::max(largest, last - first);
+  for (int64_t w = 0; w < workers; ++w) {
+    auto& list = plan.lists[at(w)];
+    auto stage = [&](int64_t chunk) { return chunk * workers + w; };
+    // Megatron's warm-up: a worker's first backward of a group is on its last
+    // chunk, so the group must have been through every other chunk first
+    // ((v-1) times the group), plus two per worker downstream (a forward and
+    // a backward hop each). With one chunk this is plain 1F1B, which needs
+    // one per worker downstream.
+    const int64_t warmup =
+        virtual_stages == 1
+            ? std::min(workers - w - 1, total)
+            : std::min((workers - w - 1) * 2 + (virtual_stages - 1) * largest, total);
+    for (int64_t k = 0; k < warmup; ++k) {
+      list.push_back({Op::F, stage(forward[at(k)].first), forward[at(k)].second});
+    }
+    for (int64_t k = 0; k + warmup < total; ++k) {
+      const auto& f = forward[at(k + warmup)];
+      list.push_back({Op::F, stage(f.first), f.second});
+      list.push_back({Op::B, stage(backward[at(k)].first), backward[at(k)].second});
+    }
+    for (int64_t k = total - warmup; k < total; ++k) {
+      list.push_back({Op::B, stage(backward[at(k)].first), backward[at(k)].second});
+    }
+  }
+  return plan;
+}
+
+Plan zb_h1_plan(int64_t workers, int64_t microbatches) {
+  Plan plan = empty_plan(PlanKind::ZBH1, workers, 1, microbatches);
+  // 1F1B's warm-up and steady state with each B as I then W: a micro-batch's
+  // activations are held until its W, so running W right after I keeps at
+  // most 1F1B's count in flight. Once a worker has run its last forward
+  // nothing new needs memory, so its W's may wait: it runs an I as soon as
+  // the I from downstream is there and fills the waits in between with the
+  // W's it owes. Which waits exist is a matter of timing, so that tail is
+  // laid out by running the plan with every task one tick.
+  struct Worker {
+    std::vector<Task> prefix;  // warm-up and steady state, fixed
+    size_t next = 0;
+    int64_t next_i = 0;        // cool-down: next I to run (micro-batch)
+    std::vector<int64_t> owed; // cool-down: I's run whose W has not
+  };
+  std::vector<Worker> ws(at(workers));
+  for (int64_t w = 0; w < workers; ++w) {
+    const int64_t warmup = std::min(workers - w - 1, microbatches);
+    auto& prefix = ws[at(w)].prefix;
+    for (int64_t i = 0; i < warmup; ++i) prefix.push_back({Op::F, w, i});
+    for (int64_t k = 0; k + warmup < microbatches; ++k) {
+      prefix.push_back({Op::F, w, k + warmup});
+      prefix.push_back({Op::I, w, k});
+      prefix.push_back({Op::W, w, k});
+    }
+    ws[at(w)].next_i = microbatches - warmup;
+  }
+  constexpr int64_t kPending = std::numeric_limits<int64_t>::max();
+  // end[op][stage][micro-batch] in ticks (only F and I are ever waited on).
+  std::vector<std::vector<std::vector<int64_t>>> end(
+      4, std::vector<std::vector<int64_t>>(at(workers),
+                                           std::vector<int64_t>(at(microbatches), kPending)));
+  auto done_by = [&](Op op, int64_t s, int64_t i, int64_t tick) {
+    return end[static_cast<size_t>(op)][at(s)][at(i)] <= tick;
+  };
+  auto ready = [&](const Task& t, int64_t tick) {
+    switch (t.op) {
+      case Op::F: return t.stage == 0 || done_by(Op::F, t.stage - 1, t.microbatch, tick);
+      case Op::I:
+        return done_by(Op::F, t.stage, t.microbatch, tick) &&
+               (t.stage + 1 == workers || done_by(Op::I, t.stage + 1, t.microbatch, tick));
+      case Op::W: return done_by(Op::I, t.stage, t.microbatch, tick);
+      case Op::B: break;
+    }
+    return false;
+  };
+  const int64_t total = 3 * workers * microbatches;
+  int64_t placed = 0;
+  // Every tick some worker can move (the plan's edges have no cycle), so the
+  // loop ends well within this bound; the bound guards a mistake here.
+  for (int64_t tick = 0; placed < total; ++tick) {
+    if (tick > total + 1) throw std::logic_error("zb_h1_plan: the layout made no progress");
+    for (int64_t w = 0; w < workers; ++w) {
+      Worker& me = ws[at(w)];
+      Task t{};
+      if (me.next < me.prefix.size()) {
+        if (!ready(me.prefix[me.next], tick)) continue;
+        t = me.prefix[me.next++];
+      } else if (me.next_i < microbatches && ready({Op::I, w, me.next_i}, tick)) {
+        t = {Op::I, w, me.next_i++};
+        me.owed.push_back(t.microbatch);
+      } else if (!me.owed.empty()) {
+        t = {Op::W, w, me.owed.front()};
+        me.owed.erase(me.owed.begin());
+      } else {
+        continue;
+      }
+      end[static_cast<size_t>(t.op)][at(w)][at(t.microbatch)] = tick + 1;
+      plan.lists[at(w)].push_back(t);
+      ++placed;
+    }
+  }
+  return plan;
+}
+
+Plan make_plan(PlanKind kind, int64_t workers, int64_t virtual_stages, int64_t microbatches) {
+  if (kind == PlanKind::Interleaved1F1B) {
+    return interleaved_1f1b_plan(workers, virtual_stages, microbatches);
+  }
+  if (virtual_stages != 1) {
+    throw std::invalid_argument("virtual_stages is " + std::to_string(virtual_stages) +
+                                " but schedule " + to_string(kind) +
+                                " runs one stage per worker; use interleaved_1f1b or "
+                                "virtual_stages=1");
+  }
+  switch (kind) {
+    case PlanKind::GPipe: return gpipe_plan(workers, microbatches);
+    case PlanKind::OneFOneB: return one_f_one_b_plan(workers, microbatches);
+    case PlanKind::ZBH1: return zb_h1_plan(workers, microbatches);
+    case PlanKind::Interleaved1F1B: break;
+  }
+  throw std::invalid_argument("unknown plan kind " +
+                              std::to_string(static_cast<int>(kind)));
+}
+
+void validate(const Plan& plan) {
+  const Split split = check_structure(plan);
+  run(plan, split, Costs{1, 1, 1, 1});
+}
+
+Simulation simulate(const Plan& plan, const Costs& costs) {
+  check_costs(costs);
+  const Split split = check_structure(plan);
+  Run r = run(plan, split, costs);
+  Simulation sim;
+  sim.start = std::move(r.start);
+  sim.makespan = r.makespan;
+  for (const auto& list : plan.lists) {
+    for (const Task& t : list) sim.work += duration(t.op, costs);
+  }
+  sim.bubble = sim.makespan > 0
+                   ? 1 - sim.work / (static_cast<double>(plan.workers) * sim.makespan)
+                   : 0;
+  // Activations are held from F until the task that frees them: B, or W
+  // when split (I still needs them and W too). Counted in list order, the
+  // order the worker really frees and allocates in.
+  for (const auto& list : plan.lists) {
+    int64_t held = 0;
+    int64_t peak = 0;
+    for (const Task& t : list) {
+      if (t.op == Op::F) {
+        peak = std::max(peak, ++held);
+      } else if (t.op == Op::B || t.op == Op::W) {
+        --held;
+      }
+    }
+    sim.peak_in_flight.push_back(peak);
+  }
+  return sim;
+}
+
+std::string render(const Plan& plan) {
+  const Simulation sim = simulate(plan, Costs{1, 1, 1, 1});
+  const bool virtual_stages = plan.stages > plan.workers;
+  auto label = [&](const Task& t) {
+    std::string cell = std::string(1, letter(t.op)) + std::to_string(t.microbatch);
+    if (virtual_stages) cell += "." + std::to_string(t.stage);
+    return cell;
+  };
+  size_t width = 1 + std::to_string(plan.microbatches - 1).size();
+  if (virtual_stages) width += 1 + std::to_string(plan.stages - 1).size();
+  const std::string empty_cell(width, '.');
+  std::string out;
+  for (size_t w = 0; w < plan.lists.size(); ++w) {
+    const auto& list = plan.lists[w];
+    // A row ends at its worker's last task: no trailing empty cells.
+    size_t row_width = 0;
+    for (double t : sim.start[w]) row_width = std::max(row_width, static_cast<size_t>(t) + 1);
+    std::vector<std::string> cells(row_width, empty_cell);
+    for (size_t k = 0; k < list.size(); ++k) {
+      std::string cell = label(list[k]);
+      cell.resize(width, ' ');
+      cells[static_cast<size_t>(sim.start[w][k])] = cell;
+    }
+    std::string line = "worker " + std::to_string(w) + ":";
+    for (const auto& c : cells) line += " " + c;
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    out += line + "\n";
+  }
+  return out;
+}
+
+}  // namespace gpipe::detail
