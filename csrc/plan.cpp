@@ -1,4 +1,4 @@
-// plan.cpp — the training-step plans (gpipe, 1f1b, interleaved 1f1b, zb-h1), their validator, simulation and picture.
+// plan.cpp — the training-step plans as data: the four generators, the validator, the simulation, the picture.
 #include "plan.h"
 
 #include <algorithm>
@@ -103,8 +103,9 @@ Split check_structure(const Plan& plan) {
       }
       Seen& s = seen[static_cast<size_t>(t.op)][at(t.stage)][at(t.microbatch)];
       if (s.worker >= 0) {
-        throw std::invalid_argument(describe(t) + " appears twice, as " + where(s.worker, s.position) +
-                                    " and " + where(w, k) + "; each task runs once");
+        throw std::invalid_argument(describe(t) + " appears twice, as " +
+                                    where(s.worker, s.position) + " and " + where(w, k) +
+                                    "; each task runs once");
       }
       s = {w, k};
     }
@@ -244,7 +245,6 @@ Run run(const Plan& plan, const Split& split, const Costs& costs) {
         break;
       }
     }
-    message.back() = ';';
     throw std::invalid_argument(message +
                                 " reorder the lists so that each task's inputs can run first");
   }
@@ -383,7 +383,10 @@ Plan zb_h1_plan(int64_t workers, int64_t microbatches) {
   Plan plan = empty_plan(PlanKind::ZBH1, workers, 1, microbatches);
   // 1F1B's warm-up and steady state with each B as I then W: a micro-batch's
   // activations are held until its W, so running W right after I keeps at
-  // most 1F1B's count in flight. Once a worker has run its last forward
+  // most 1F1B's count in flight (the paper's smaller bubble, (W-1)(f+i-w),
+  // lets W's lag their I's, which here would hold up to W-1 more
+  // micro-batches per worker: each one lagging saves a tick of the drain
+  // and costs a micro-batch of memory). Once a worker has run its last forward
   // nothing new needs memory, so its W's may wait: it runs an I as soon as
   // the I from downstream is there and fills the waits in between with the
   // W's it owes. Which waits exist is a matter of timing, so that tail is

@@ -1,0 +1,325 @@
+// test_plan.cpp — the training-step plans as pictures, their validation and simulation (no torch).
+#include "../../csrc/plan.h"
+
+#include <catch2/catch.hpp>
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+using gpipe::detail::Costs;
+using gpipe::detail::describe;
+using gpipe::detail::gpipe_plan;
+using gpipe::detail::interleaved_1f1b_plan;
+using gpipe::detail::make_plan;
+using gpipe::detail::one_f_one_b_plan;
+using gpipe::detail::Op;
+using gpipe::detail::Plan;
+using gpipe::detail::PlanKind;
+using gpipe::detail::render;
+using gpipe::detail::simulate;
+using gpipe::detail::Simulation;
+using gpipe::detail::Task;
+using gpipe::detail::to_string;
+using gpipe::detail::validate;
+using gpipe::detail::zb_h1_plan;
+using Catch::Matchers::Contains;
+
+namespace {
+
+// A hand-made plan with one stage per worker.
+Plan hand_made(int64_t microbatches, std::vector<std::vector<Task>> lists) {
+  Plan plan;
+  plan.kind = PlanKind::OneFOneB;
+  plan.workers = static_cast<int64_t>(lists.size());
+  plan.stages = plan.workers;
+  plan.microbatches = microbatches;
+  plan.lists = std::move(lists);
+  return plan;
+}
+
+Task F(int64_t s, int64_t i) { return {Op::F, s, i}; }
+Task B(int64_t s, int64_t i) { return {Op::B, s, i}; }
+Task I(int64_t s, int64_t i) { return {Op::I, s, i}; }
+Task W(int64_t s, int64_t i) { return {Op::W, s, i}; }
+
+// The efficiency of a simulated step against a pipeline with no bubble.
+double efficiency(const Plan& plan, const Simulation& sim) {
+  return sim.work / (static_cast<double>(plan.workers) * sim.makespan);
+}
+
+}  // namespace
+
+TEST_CASE("plan: gpipe, 3 workers, 4 micro-batches", "[plan]") {
+  CHECK(render(gpipe_plan(3, 4)) ==
+        "worker 0: F0 F1 F2 F3 .. .. .. .. B3 B2 B1 B0\n"
+        "worker 1: .. F0 F1 F2 F3 .. .. B3 B2 B1 B0\n"
+        "worker 2: .. .. F0 F1 F2 F3 B3 B2 B1 B0\n");
+}
+
+TEST_CASE("plan: 1f1b, 3 workers, 4 micro-batches", "[plan]") {
+  // Warm-up of W-w-1 forwards (2, 1, 0), then F and B in turn, then the
+  // backwards left over.
+  CHECK(render(one_f_one_b_plan(3, 4)) ==
+        "worker 0: F0 F1 F2 .. .. B0 F3 B1 .. B2 .. B3\n"
+        "worker 1: .. F0 F1 .. B0 F2 B1 F3 B2 .. B3\n"
+        "worker 2: .. .. F0 B0 F1 B1 F2 B2 F3 B3\n");
+}
+
+TEST_CASE("plan: 1f1b, 4 workers, 8 micro-batches (the picture in plan.h)", "[plan]") {
+  CHECK(render(one_f_one_b_plan(4, 8)) ==
+        "worker 0: F0 F1 F2 F3 .. .. .. B0 F4 B1 F5 B2 F6 B3 F7 B4 .. B5 .. B6 .. B7\n"
+        "worker 1: .. F0 F1 F2 .. .. B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .. B6 .. B7\n"
+        "worker 2: .. .. F0 F1 .. B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .. B7\n"
+        "worker 3: .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7\n");
+}
+
+TEST_CASE("plan: 1f1b with fewer micro-batches than workers warms up with all of them", "[plan]") {
+  CHECK(render(one_f_one_b_plan(4, 2)) ==
+        "worker 0: F0 F1 .. .. .. .. .. B0 .. B1\n"
+        "worker 1: .. F0 F1 .. .. .. B0 .. B1\n"
+        "worker 2: .. .. F0 F1 .. B0 .. B1\n"
+        "worker 3: .. .. .. F0 B0 F1 B1\n");
+}
+
+TEST_CASE("plan: interleaved 1f1b, 2 workers, 2 stages each, 4 micro-batches", "[plan]") {
+  // Worker 0 owns stages 0 and 2, worker 1 stages 1 and 3. Micro-batches go
+  // in groups of 2 through local stage 0, then 1; backwards mirror that.
+  // Warm-up 2(W-w-1) + (v-1)W: 4 on worker 0, 2 on worker 1.
+  CHECK(render(interleaved_1f1b_plan(2, 2, 4)) ==
+        "worker 0: F0.0 F1.0 F0.2 F1.2 F2.0 B0.2 F3.0 B1.2 F2.2 B0.0 F3.2 B1.0 .... B2.2 .... "
+        "B3.2 B2.0 B3.0\n"
+        "worker 1: .... F0.1 F1.1 F0.3 B0.3 F1.3 B1.3 F2.1 B0.1 F3.1 B1.1 F2.3 B2.3 F3.3 B3.3 "
+        "B2.1 B3.1\n");
+}
+
+TEST_CASE("plan: interleaved 1f1b, micro-batches not a multiple of workers", "[plan]") {
+  // 5 micro-batches on 2 workers: groups {0, 1} and {2, 3, 4} (the remainder
+  // joins the last group), so the warm-up counts the larger group:
+  // 2(W-w-1) + (v-1)*3 = 5 on worker 0, 3 on worker 1.
+  CHECK(render(interleaved_1f1b_plan(2, 2, 5)) ==
+        "worker 0: F0.0 F1.0 F0.2 F1.2 F2.0 F3.0 B0.2 F4.0 B1.2 F2.2 B0.0 F3.2 B1.0 F4.2 B2.2 "
+        ".... B3.2 .... B4.2 B2.0 B3.0 B4.0\n"
+        "worker 1: .... F0.1 F1.1 F0.3 F1.3 B0.3 F2.1 B1.3 F3.1 B0.1 F4.1 B1.1 F2.3 B2.3 F3.3 "
+        "B3.3 F4.3 B4.3 B2.1 B3.1 B4.1\n");
+}
+
+TEST_CASE("plan: interleaved 1f1b with one stage per worker is 1f1b", "[plan]") {
+  for (int64_t w = 1; w <= 5; ++w) {
+    for (int64_t m = 1; m <= 9; ++m) {
+      CHECK(interleaved_1f1b_plan(w, 1, m).lists == one_f_one_b_plan(w, m).lists);
+    }
+  }
+}
+
+TEST_CASE("plan: zb-h1, 3 workers, 6 micro-batches", "[plan]") {
+  // 1F1B's warm-up; W right after I while forwards remain (the activations
+  // are held until W); after the last forward the W's fill the waits.
+  CHECK(render(zb_h1_plan(3, 6)) ==
+        "worker 0: F0 F1 F2 .. .. I0 W0 F3 I1 W1 F4 I2 W2 F5 I3 W3 .. I4 W4 .. I5 W5\n"
+        "worker 1: .. F0 F1 .. I0 W0 F2 I1 W1 F3 I2 W2 F4 I3 W3 F5 I4 W4 .. I5 W5\n"
+        "worker 2: .. .. F0 I0 W0 F1 I1 W1 F2 I2 W2 F3 I3 W3 F4 I4 W4 F5 I5 W5\n");
+}
+
+TEST_CASE("plan: zb-h1, 4 workers, 8 micro-batches", "[plan]") {
+  CHECK(render(zb_h1_plan(4, 8)) ==
+        "worker 0: F0 F1 F2 F3 .. .. .. I0 W0 F4 I1 W1 F5 I2 W2 F6 I3 W3 F7 I4 W4 .. I5 W5 .. I6 "
+        "W6 .. I7 W7\n"
+        "worker 1: .. F0 F1 F2 .. .. I0 W0 F3 I1 W1 F4 I2 W2 F5 I3 W3 F6 I4 W4 F7 I5 W5 .. I6 W6 "
+        ".. I7 W7\n"
+        "worker 2: .. .. F0 F1 .. I0 W0 F2 I1 W1 F3 I2 W2 F4 I3 W3 F5 I4 W4 F6 I5 W5 F7 I6 W6 .. "
+        "I7 W7\n"
+        "worker 3: .. .. .. F0 I0 W0 F1 I1 W1 F2 I2 W2 F3 I3 W3 F4 I4 W4 F5 I5 W5 F6 I6 W6 F7 I7 "
+        "W7\n");
+}
+
+TEST_CASE("plan: small and wide pictures", "[plan]") {
+  CHECK(render(gpipe_plan(1, 1)) == "worker 0: F0 B0\n");
+  CHECK(render(zb_h1_plan(1, 2)) == "worker 0: F0 I0 W0 F1 I1 W1\n");
+  CHECK(render(gpipe_plan(2, 11)) ==
+        "worker 0: F0  F1  F2  F3  F4  F5  F6  F7  F8  F9  F10 ... ... B10 B9  B8  B7  B6  B5  "
+        "B4  B3  B2  B1  B0\n"
+        "worker 1: ... F0  F1  F2  F3  F4  F5  F6  F7  F8  F9  F10 B10 B9  B8  B7  B6  B5  B4  "
+        "B3  B2  B1  B0\n");
+}
+
+TEST_CASE("plan: every generated plan validates", "[plan]") {
+  for (int64_t w = 1; w <= 8; ++w) {
+    for (int64_t m = 1; m <= 40; ++m) {
+      CAPTURE(w, m);
+      CHECK_NOTHROW(validate(gpipe_plan(w, m)));
+      CHECK_NOTHROW(validate(one_f_one_b_plan(w, m)));
+      CHECK_NOTHROW(validate(zb_h1_plan(w, m)));
+      for (int64_t v = 1; v <= 4; ++v) {
+        CAPTURE(v);
+        const Plan plan = interleaved_1f1b_plan(w, v, m);
+        CHECK(plan.stages == v * w);
+        CHECK_NOTHROW(validate(plan));
+      }
+    }
+  }
+}
+
+TEST_CASE("plan: validate names the cycle of a deadlocking plan", "[plan]") {
+  // Worker 0 waits at B0 for worker 1's B0; worker 1 runs F1 first, which
+  // waits for worker 0's F1, queued behind that B0.
+  const Plan plan = hand_made(2, {{F(0, 0), B(0, 0), F(0, 1), B(0, 1)},
+                                  {F(1, 1), F(1, 0), B(1, 0), B(1, 1)}});
+  CHECK_THROWS_WITH(validate(plan),
+                    Contains("deadlocks") &&
+                        Contains("worker 0 at B(stage 0, micro-batch 0) for B(stage 1, "
+                                 "micro-batch 0) (worker 1)") &&
+                        Contains("worker 1 at F(stage 1, micro-batch 1) for F(stage 0, "
+                                 "micro-batch 1) (worker 0)"));
+  CHECK_THROWS_AS(simulate(plan), std::invalid_argument);
+  CHECK_THROWS_AS(render(plan), std::invalid_argument);
+}
+
+TEST_CASE("plan: validate refuses W before its I", "[plan]") {
+  const Plan plan = hand_made(1, {{F(0, 0), W(0, 0), I(0, 0)}});
+  CHECK_THROWS_WITH(validate(plan), Contains("worker 0 at W(stage 0, micro-batch 0) for "
+                                             "I(stage 0, micro-batch 0) (later in its own list)"));
+}
+
+TEST_CASE("plan: validate refuses missing, repeated, misplaced and mixed tasks", "[plan]") {
+  // Missing: micro-batch 1 has no backward on stage 1.
+  CHECK_THROWS_WITH(validate(hand_made(2, {{F(0, 0), F(0, 1), B(0, 0), B(0, 1)},
+                                           {F(1, 0), B(1, 0), F(1, 1)}})),
+                    Contains("B(stage 1, micro-batch 1) is missing"));
+  CHECK_THROWS_WITH(validate(hand_made(1, {{F(0, 0), I(0, 0)}})),
+                    Contains("W(stage 0, micro-batch 0) is missing"));
+  CHECK_THROWS_WITH(validate(hand_made(2, {{F(0, 0), B(0, 0)}})),
+                    Contains("F(stage 0, micro-batch 1) is missing"));
+  // Repeated.
+  CHECK_THROWS_WITH(validate(hand_made(1, {{F(0, 0), F(0, 0), B(0, 0)}})),
+                    Contains("F(stage 0, micro-batch 0) appears twice") &&
+                        Contains("worker 0's task 0 and worker 0's task 1"));
+  // On the wrong worker: stage 1 runs on worker 1.
+  CHECK_THROWS_WITH(validate(hand_made(1, {{F(0, 0), B(0, 0)}, {F(0, 0), B(1, 0)}})),
+                    Contains("F(stage 0, micro-batch 0) is in worker 1's list but stage 0 runs "
+                             "on worker 0"));
+  // B and its split halves both.
+  CHECK_THROWS_WITH(validate(hand_made(1, {{F(0, 0), I(0, 0), W(0, 0), B(0, 0)}})),
+                    Contains("B(stage 0, micro-batch 0) and I(stage 0, micro-batch 0) both "
+                             "appear"));
+  // Out of range.
+  CHECK_THROWS_WITH(validate(hand_made(1, {{F(0, 0), B(0, 0), F(0, 1)}})),
+                    Contains("micro-batch 1 is out of range for a plan of 1 micro-batches"));
+  CHECK_THROWS_WITH(validate(hand_made(1, {{F(3, 0), B(0, 0)}})),
+                    Contains("stage 3 is out of range for a plan of 1 stages"));
+  // Lists and workers disagree.
+  Plan short_of_lists = gpipe_plan(3, 2);
+  short_of_lists.lists.pop_back();
+  CHECK_THROWS_WITH(validate(short_of_lists), Contains("2 lists for 3 workers"));
+  Plan odd_stages = gpipe_plan(2, 2);
+  odd_stages.stages = 3;
+  CHECK_THROWS_WITH(validate(odd_stages), Contains("3 stages on 2 workers"));
+}
+
+TEST_CASE("plan: gpipe and 1f1b take (M + W - 1)(f + b)", "[plan]") {
+  const Costs costs{1, 2, 1, 1};
+  for (int64_t w = 1; w <= 8; ++w) {
+    for (int64_t m = 1; m <= 40; ++m) {
+      CAPTURE(w, m);
+      const double closed_form = static_cast<double>(m + w - 1) * (costs.f + costs.b);
+      CHECK(simulate(gpipe_plan(w, m), costs).makespan == closed_form);
+      CHECK(simulate(one_f_one_b_plan(w, m), costs).makespan == closed_form);
+    }
+  }
+  const Plan plan = one_f_one_b_plan(8, 32);
+  const Simulation sim = simulate(plan, costs);
+  CHECK(sim.work == 8 * 32 * 3);
+  CHECK(sim.bubble == Approx(1 - 96.0 / 117));
+  REQUIRE(sim.start.size() == 8);
+  CHECK(sim.start[0].size() == 64);
+  CHECK(sim.start[7][0] == 7);  // the last worker's first forward
+}
+
+TEST_CASE("plan: interleaved 1f1b divides the bubble by the stages per worker", "[plan]") {
+  // Each of v chunks costs 1/v of a whole stage, so the work per micro-batch
+  // stays f + b and the bubble shrinks to (W - 1)(f + b) / v.
+  for (int64_t v = 1; v <= 4; ++v) {
+    const Costs costs{1.0 / static_cast<double>(v), 2.0 / static_cast<double>(v), 1, 1};
+    for (int64_t w = 1; w <= 8; ++w) {
+      for (int64_t m = w; m <= 40; m += w) {
+        CAPTURE(v, w, m);
+        CHECK(simulate(interleaved_1f1b_plan(w, v, m), costs).makespan ==
+              Approx(static_cast<double>(m) * 3 +
+                     static_cast<double>(w - 1) * 3 / static_cast<double>(v)));
+      }
+    }
+  }
+}
+
+TEST_CASE("plan: zb-h1 bubble (W - 1)(f + i) with 1f1b's memory", "[plan]") {
+  // 1F1B's bubble is (W - 1)(f + b); ZB-H1's is (W - 1)(f + i): the drain
+  // hops back by I's instead of B's. It can do no better while holding no
+  // more micro-batches than 1F1B (activations held until W): the last
+  // worker then runs F I W for each micro-batch in turn, starts after
+  // (W - 1)f, and its last I still has W - 1 hops of I and worker 0's last W
+  // behind it. (The paper's (W - 1)(f + i - w) needs W's to lag their I's,
+  // holding up to W - 1 more micro-batches per worker.)
+  const Costs costs{1, 2, 1, 1};
+  for (int64_t w = 1; w <= 8; ++w) {
+    for (int64_t m = 1; m <= 40; ++m) {
+      CAPTURE(w, m);
+      CHECK(simulate(zb_h1_plan(w, m), costs).makespan ==
+            static_cast<double>(3 * m + 2 * (w - 1)));
+    }
+  }
+  const Plan plan = zb_h1_plan(8, 32);
+  const Simulation sim = simulate(plan, costs);
+  CHECK(sim.makespan == 110);
+  CHECK(efficiency(plan, sim) == Approx(96.0 / 110));
+  const Plan baseline = one_f_one_b_plan(8, 32);
+  CHECK(efficiency(plan, sim) > efficiency(baseline, simulate(baseline, costs)) + 0.05);
+}
+
+TEST_CASE("plan: micro-batches in flight per worker", "[plan]") {
+  for (int64_t w = 1; w <= 8; ++w) {
+    for (int64_t m = 1; m <= 20; ++m) {
+      CAPTURE(w, m);
+      const auto gpipe = simulate(gpipe_plan(w, m)).peak_in_flight;
+      const auto one_f_one_b = simulate(one_f_one_b_plan(w, m)).peak_in_flight;
+      const auto zb = simulate(zb_h1_plan(w, m)).peak_in_flight;
+      REQUIRE(gpipe.size() == static_cast<size_t>(w));
+      for (int64_t k = 0; k < w; ++k) {
+        const auto at = static_cast<size_t>(k);
+        CHECK(gpipe[at] == m);
+        CHECK(one_f_one_b[at] == std::min(w - k, m));
+        CHECK(zb[at] <= one_f_one_b[at]);
+      }
+    }
+  }
+  // Interleaved: Megatron's warm-up plus one, counting every chunk.
+  const auto interleaved = simulate(interleaved_1f1b_plan(4, 2, 8)).peak_in_flight;
+  CHECK(interleaved == std::vector<int64_t>{11, 9, 7, 5});
+}
+
+TEST_CASE("plan: make_plan, names and errors", "[plan]") {
+  CHECK(make_plan(PlanKind::GPipe, 3, 1, 4).lists == gpipe_plan(3, 4).lists);
+  CHECK(make_plan(PlanKind::OneFOneB, 3, 1, 4).lists == one_f_one_b_plan(3, 4).lists);
+  CHECK(make_plan(PlanKind::Interleaved1F1B, 3, 2, 4).lists ==
+        interleaved_1f1b_plan(3, 2, 4).lists);
+  CHECK(make_plan(PlanKind::ZBH1, 3, 1, 4).lists == zb_h1_plan(3, 4).lists);
+  CHECK(make_plan(PlanKind::ZBH1, 3, 1, 4).kind == PlanKind::ZBH1);
+  CHECK_THROWS_WITH(make_plan(PlanKind::OneFOneB, 2, 2, 4),
+                    "virtual_stages is 2 but schedule 1f1b runs one stage per worker; use "
+                    "interleaved_1f1b or virtual_stages=1");
+  CHECK_THROWS_WITH(gpipe_plan(0, 4), Contains("workers is 0"));
+  CHECK_THROWS_WITH(one_f_one_b_plan(2, 0), Contains("microbatches is 0"));
+  CHECK_THROWS_WITH(interleaved_1f1b_plan(2, 0, 4), Contains("virtual_stages is 0"));
+  CHECK_THROWS_WITH(zb_h1_plan(-1, 4), Contains("workers is -1"));
+  CHECK_THROWS_WITH(simulate(gpipe_plan(2, 2), Costs{1, -2, 1, 1}), Contains("cost b is -2"));
+
+  CHECK(to_string(PlanKind::GPipe) == "gpipe");
+  CHECK(to_string(PlanKind::OneFOneB) == "1f1b");
+  CHECK(to_string(PlanKind::Interleaved1F1B) == "interleaved_1f1b");
+  CHECK(to_string(PlanKind::ZBH1) == "zb_h1");
+  std::ostringstream out;
+  out << F(2, 3) << " " << I(0, 0) << " " << W(1, 12);
+  CHECK(out.str() == "F3 I0 W12");
+  CHECK(describe(F(2, 3)) == "F(stage 2, micro-batch 3)");
+  CHECK(describe(B(0, 1)) == "B(stage 0, micro-batch 1)");
+}
