@@ -381,33 +381,47 @@ Plan interleaved_1f1b_plan(int64_t workers, int64_t virtual_stages, int64_t micr
 
 Plan zb_h1_plan(int64_t workers, int64_t microbatches) {
   Plan plan = empty_plan(PlanKind::ZBH1, workers, 1, microbatches);
-  // 1F1B's warm-up and steady state with each B as I then W: a micro-batch's
-  // activations are held until its W, so running W right after I keeps at
-  // most 1F1B's count in flight (the paper's smaller bubble, (W-1)(f+i-w),
-  // lets W's lag their I's, which here would hold up to W-1 more
-  // micro-batches per worker: each one lagging saves a tick of the drain
-  // and costs a micro-batch of memory). Once a worker has run its last forward
-  // nothing new needs memory, so its W's may wait: it runs an I as soon as
-  // the I from downstream is there and fills the waits in between with the
-  // W's it owes. Which waits exist is a matter of timing, so that tail is
-  // laid out by running the plan with every task one tick.
+  // ZB-H1 (Qi et al., ICLR 2024), laid out tick by tick with every task one
+  // tick. Its memory budget is 1F1B's peak, the peak over all workers:
+  // 1F1B's worker 0 holds min(W, M) micro-batches in flight, so every worker
+  // may, a micro-batch counting from its F until its W (I still needs the
+  // activations, W needs what I kept). Worker 0 has no room to spare and
+  // runs each W right after its I, as 1F1B would its B; worker w's 1F1B
+  // holds only W - w, so the budget leaves it room for w more: its W's may
+  // lag behind its I's, the more the later the worker, and run where 1F1B
+  // waits.
+  //
+  // Each worker runs 1F1B's F's and I's (its B's as I's) in 1F1B's order:
+  // the same W - w - 1 warm-up forwards, then F and I in turn. Each tick it
+  // runs the next of these if its inputs are there and, for an F, the budget
+  // has room; otherwise the oldest W it owes, if any (a W waits on no other
+  // worker, so it can always fill the tick); otherwise it idles. So W's run
+  // when the budget requires (at worker 0 right after each I), in the gaps
+  // where an F or I has not arrived yet, and, those still owed when the
+  // forwards run out, in the drain, while the last I's hop back through the
+  // workers at i a hop instead of 1F1B's b.
+  //
+  // The makespan (checked in test_plan.cpp, also for unequal costs with
+  // w <= f + i) is the paper's M(f + i + w) + (W - 1)(f + i - w) when
+  // M >= W: worker 0 idles only while its first I comes back, each later
+  // worker pays for its late start with W's in the drain. With M < W
+  // nothing fills the bubbles: micro-batch 0 reaches the last worker after
+  // (W - 1)f, which runs F and I in turn for M(f + i), the last I hops back
+  // in (W - 1)i and worker 0 ends with its W: (M + W - 1)(f + i) + w.
+  const int64_t budget = std::min(workers, microbatches);
   struct Worker {
-    std::vector<Task> prefix;  // warm-up and steady state, fixed
+    std::vector<Task> order;    // 1F1B's F's and I's (B's as I's), in order
     size_t next = 0;
-    int64_t next_i = 0;        // cool-down: next I to run (micro-batch)
-    std::vector<int64_t> owed; // cool-down: I's run whose W has not
+    int64_t held = 0;           // micro-batches from F until W
+    std::vector<int64_t> owed;  // I's run whose W has not, oldest first
   };
   std::vector<Worker> ws(at(workers));
-  for (int64_t w = 0; w < workers; ++w) {
-    const int64_t warmup = std::min(workers - w - 1, microbatches);
-    auto& prefix = ws[at(w)].prefix;
-    for (int64_t i = 0; i < warmup; ++i) prefix.push_back({Op::F, w, i});
-    for (int64_t k = 0; k + warmup < microbatches; ++k) {
-      prefix.push_back({Op::F, w, k + warmup});
-      prefix.push_back({Op::I, w, k});
-      prefix.push_back({Op::W, w, k});
+  const Plan one_f_one_b = one_f_one_b_plan(workers, microbatches);
+  for (size_t w = 0; w < at(workers); ++w) {
+    for (Task t : one_f_one_b.lists[w]) {
+      if (t.op == Op::B) t.op = Op::I;
+      ws[w].order.push_back(t);
     }
-    ws[at(w)].next_i = microbatches - warmup;
   }
   constexpr int64_t kPending = std::numeric_limits<int64_t>::max();
   // end[op][stage][micro-batch] in ticks (only F and I are ever waited on).
@@ -418,34 +432,31 @@ Plan zb_h1_plan(int64_t workers, int64_t microbatches) {
     return end[static_cast<size_t>(op)][at(s)][at(i)] <= tick;
   };
   auto ready = [&](const Task& t, int64_t tick) {
-    switch (t.op) {
-      case Op::F: return t.stage == 0 || done_by(Op::F, t.stage - 1, t.microbatch, tick);
-      case Op::I:
-        return done_by(Op::F, t.stage, t.microbatch, tick) &&
-               (t.stage + 1 == workers || done_by(Op::I, t.stage + 1, t.microbatch, tick));
-      case Op::W: return done_by(Op::I, t.stage, t.microbatch, tick);
-      case Op::B: break;
-    }
-    return false;
+    if (t.op == Op::F) return t.stage == 0 || done_by(Op::F, t.stage - 1, t.microbatch, tick);
+    return done_by(Op::F, t.stage, t.microbatch, tick) &&
+           (t.stage + 1 == workers || done_by(Op::I, t.stage + 1, t.microbatch, tick));
   };
   const int64_t total = 3 * workers * microbatches;
   int64_t placed = 0;
-  // Every tick some worker can move (the plan's edges have no cycle), so the
-  // loop ends well within this bound; the bound guards a mistake here.
+  // Every tick some worker can move (1F1B's order has no cycle, and a
+  // worker whose next F the budget holds back owes a W: 1F1B starts a
+  // forward with at most min(W, M) - 1 others not yet through their
+  // backward), so the loop ends well within this bound; the bound guards a
+  // mistake here.
   for (int64_t tick = 0; placed < total; ++tick) {
     if (tick > total + 1) throw std::logic_error("zb_h1_plan: the layout made no progress");
     for (int64_t w = 0; w < workers; ++w) {
       Worker& me = ws[at(w)];
       Task t{};
-      if (me.next < me.prefix.size()) {
-        if (!ready(me.prefix[me.next], tick)) continue;
-        t = me.prefix[me.next++];
-      } else if (me.next_i < microbatches && ready({Op::I, w, me.next_i}, tick)) {
-        t = {Op::I, w, me.next_i++};
-        me.owed.push_back(t.microbatch);
+      if (me.next < me.order.size() && ready(me.order[me.next], tick) &&
+          (me.order[me.next].op != Op::F || me.held < budget)) {
+        t = me.order[me.next++];
+        if (t.op == Op::F) ++me.held;
+        if (t.op == Op::I) me.owed.push_back(t.microbatch);
       } else if (!me.owed.empty()) {
         t = {Op::W, w, me.owed.front()};
         me.owed.erase(me.owed.begin());
+        --me.held;
       } else {
         continue;
       }

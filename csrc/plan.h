@@ -77,9 +77,12 @@ Plan one_f_one_b_plan(int64_t workers, int64_t microbatches);
 /// Megatron-LM's interleaved 1F1B: v stages per worker (stage s on worker
 /// s mod W), micro-batches in groups of W per stage.
 Plan interleaved_1f1b_plan(int64_t workers, int64_t virtual_stages, int64_t microbatches);
-/// ZB-H1 (Qi et al., ICLR 2024): 1F1B with each B split into I and W, the
-/// W's deferred to fill the drain bubble; at most as many micro-batches in
-/// flight per worker as 1F1B.
+/// ZB-H1 (Qi et al., ICLR 2024): 1F1B's order of F's and I's (each B split
+/// into I and W), the W's deferred to fill the bubbles and the drain; no
+/// worker holds more micro-batches in flight than 1F1B's busiest worker,
+/// min(W, M) (1F1B's peak memory), though later workers hold more than
+/// under 1F1B. With M >= W each worker idles (W - 1)(f + i - w) instead of
+/// 1F1B's (W - 1)(f + b).
 Plan zb_h1_plan(int64_t workers, int64_t microbatches);
 /// The plan of `kind`; `virtual_stages` must be 1 except for interleaved.
 Plan make_plan(PlanKind kind, int64_t workers, int64_t virtual_stages, int64_t microbatches);
