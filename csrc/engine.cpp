@@ -27,38 +27,6 @@ namespace gpipe::detail {
 
 namespace {
 
-// The stage's compute stream becomes current for the cell (nothing on CPU).
-std::optional<c10::StreamGuard> on_compute_stream(const Stage& stage) {
-  if (stage.device().is_cpu()) return std::nullopt;
-  return std::optional<c10::StreamGuard>(std::in_place, stage.lane().compute);
-}
-
-int64_t checkpointed_microbatches(Checkpoint mode, int64_t microbatches) {
-  switch (mode) {
-    case Checkpoint::Always:
-      return microbatches;
-    case Checkpoint::ExceptLast:
-      return microbatches - 1;
-    case Checkpoint::Never:
-      return 0;
-  }
-  return 0;
-}
-
-/// `receive`, recorded as a copy when it moves anything across devices.
-Batch receive_traced(Payload in, const Lane& lane, Tracer& tracer, int64_t step, int64_t stage,
-                     int64_t microbatch) {
-  bool crosses = false;
-  if (tracer.enabled()) {
-    for (const auto& t : in.batch.values) crosses |= t.defined() && t.device() != lane.device;
-  }
-  if (!crosses) return receive(std::move(in), lane);
-  Span span(tracer, step, stage, microbatch, TracePhase::Copy);
-  Batch out = receive(std::move(in), lane, &span);
-  span.finish();
-  return out;
-}
-
 // The accelerator index whose autograd engine thread is the calling thread,
 // if it is one. The engine names those threads "pt_autograd_<index>" (one per
 // index, serving that index of every accelerator type); the thread that
@@ -76,6 +44,36 @@ std::optional<c10::DeviceIndex> autograd_device_thread() {
 }
 
 }  // namespace
+
+std::optional<c10::StreamGuard> on_compute_stream(const Stage& stage) {
+  if (stage.device().is_cpu()) return std::nullopt;
+  return std::optional<c10::StreamGuard>(std::in_place, stage.lane().compute);
+}
+
+int64_t checkpointed_microbatches(Checkpoint mode, int64_t microbatches) {
+  switch (mode) {
+    case Checkpoint::Always:
+      return microbatches;
+    case Checkpoint::ExceptLast:
+      return microbatches - 1;
+    case Checkpoint::Never:
+      return 0;
+  }
+  return 0;
+}
+
+Batch receive_traced(Payload in, const Lane& lane, Tracer& tracer, int64_t step, int64_t stage,
+                     int64_t microbatch) {
+  bool crosses = false;
+  if (tracer.enabled()) {
+    for (const auto& t : in.batch.values) crosses |= t.defined() && t.device() != lane.device;
+  }
+  if (!crosses) return receive(std::move(in), lane);
+  Span span(tracer, step, stage, microbatch, TracePhase::Copy);
+  Batch out = receive(std::move(in), lane, &span);
+  span.finish();
+  return out;
+}
 
 std::vector<int> intra_op_split(const std::vector<c10::Device>& devices, int64_t option,
                                 int available) {
@@ -101,16 +99,31 @@ std::vector<int> intra_op_split(const std::vector<c10::Device>& devices, int64_t
   return threads;
 }
 
+namespace {
+
+// The first `workers` of `devices`: one per worker (stage s runs on worker
+// s mod workers, on devices[s mod workers]).
+std::vector<c10::Device> worker_devices(const std::vector<c10::Device>& devices, size_t stages,
+                                        int64_t virtual_stages) {
+  TORCH_INTERNAL_ASSERT(virtual_stages >= 1 && stages % static_cast<size_t>(virtual_stages) == 0);
+  const size_t workers = stages / static_cast<size_t>(virtual_stages);
+  TORCH_INTERNAL_ASSERT(devices.size() >= workers);
+  return std::vector<c10::Device>(devices.begin(),
+                                  devices.begin() + static_cast<std::ptrdiff_t>(workers));
+}
+
+}  // namespace
+
 Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c10::Device>& devices,
-               int64_t chunks, Checkpoint checkpoint, int64_t intra_op_threads)
-    : intra_op_threads_(intra_op_split(
-          std::vector<c10::Device>(devices.begin(),
-                                   devices.begin() + static_cast<std::ptrdiff_t>(
-                                                         std::min(devices.size(), layers.size()))),
-          intra_op_threads, at::get_num_threads())),
-      executor_(static_cast<int64_t>(layers.size()), intra_op_threads_),
+               int64_t chunks, Checkpoint checkpoint, int64_t intra_op_threads,
+               int64_t virtual_stages, PlanKind plan)
+    : intra_op_threads_(intra_op_split(worker_devices(devices, layers.size(), virtual_stages),
+                                       intra_op_threads, at::get_num_threads())),
+      executor_(static_cast<int64_t>(intra_op_threads_.size()), intra_op_threads_),
       chunks_(chunks),
-      checkpoint_(checkpoint) {
+      checkpoint_(checkpoint),
+      virtual_stages_(virtual_stages),
+      plan_kind_(plan) {
   TORCH_INTERNAL_ASSERT(devices.size() >= layers.size());
   for (size_t j = 0; j < layers.size(); ++j) {
     stages_.push_back(
@@ -147,7 +160,7 @@ Engine::Call::Call(Engine& engine, const char* what) : engine_(engine) {
   // A forward from inside a cell is a Pipe within a Pipe's layer. (A
   // backward may legitimately run inside a cell: a stage's nested backward
   // on an autograd device thread may pick up another Pipe's PipeBackward.)
-  TORCH_CHECK(std::strcmp(what, "forward") != 0 || outer < 0, "gpipe::Pipe ", what,
+  TORCH_CHECK(std::strcmp(what, "backward") == 0 || outer < 0, "gpipe::Pipe ", what,
               " was called from inside a layer of a Pipe (stage ", outer,
               " of the Pipe running it): a Pipe cannot run within a Pipe's stage; ",
               "call the inner model directly there, or flatten both into one Sequential");

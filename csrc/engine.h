@@ -3,7 +3,9 @@
 
 #include "executor.h"
 #include "graph.h"
+#include "handoff.h"
 #include "microbatch.h"
+#include "plan.h"
 #include "stage.h"
 #include "trace.h"
 
@@ -12,6 +14,7 @@
 
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/Device.h>
+#include <c10/core/StreamGuard.h>
 
 #include <atomic>
 #include <cstdint>
@@ -60,18 +63,34 @@ struct PipeRun {
   int64_t step = 0;
 };
 
+/// The stage's compute stream made current for a cell (nothing on CPU).
+std::optional<c10::StreamGuard> on_compute_stream(const Stage& stage);
+/// How many of `microbatches` micro-batches (the first ones) `mode`
+/// checkpoints.
+int64_t checkpointed_microbatches(Checkpoint mode, int64_t microbatches);
+/// `receive`, recorded as a copy when it moves anything across devices.
+Batch receive_traced(Payload in, const Lane& lane, Tracer& tracer, int64_t step, int64_t stage,
+                     int64_t microbatch);
+
 /// Intra-op threads of each stage's worker (0: torch's setting) for the
 /// `intra_op_threads` option (see PipeOptions), splitting `available`
 /// threads between the CPU stages among `devices` (one per stage).
 std::vector<int> intra_op_split(const std::vector<c10::Device>& devices, int64_t option,
                                 int available);
 
+/// train_step's loss: one micro-batch's output and target in, a scalar
+/// (mean-reduced over the micro-batch's rows) out.
+using LossFn = std::function<at::Tensor(const Batch& output, const Batch& target)>;
+
 class Engine : public std::enable_shared_from_this<Engine> {
  public:
-  /// `intra_op_threads`: see PipeOptions; the calling thread's
-  /// at::get_num_threads() is what 0 splits between the CPU stages.
+  /// `layers[s]` and `devices[s]` for stage s; stage s runs on worker
+  /// s mod (stages / virtual_stages). `intra_op_threads`: see PipeOptions;
+  /// the calling thread's at::get_num_threads() is what 0 splits between the
+  /// CPU workers. `plan`: the schedule train_step runs.
   Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c10::Device>& devices,
-         int64_t chunks, Checkpoint checkpoint, int64_t intra_op_threads = 0);
+         int64_t chunks, Checkpoint checkpoint, int64_t intra_op_threads = 0,
+         int64_t virtual_stages = 1, PlanKind plan = PlanKind::GPipe);
 
   /// Each stage worker's intra-op thread count as set (0: left to torch).
   const std::vector<int>& intra_op_threads() const noexcept { return intra_op_threads_; }
@@ -93,7 +112,23 @@ class Engine : public std::enable_shared_from_this<Engine> {
                                    bool keep_graph, const std::vector<bool>& needed,
                                    const std::vector<bool>& accumulate);
 
+  /// One training step inside the pipeline: forward, loss, backward of
+  /// every micro-batch, in the order of the engine's plan (see plan.h). The
+  /// target is cut along dim 0 like the input; micro-batch i's loss counts
+  /// rows_i / rows, so the returned loss (detached) is the whole batch's
+  /// and every parameter's `.grad` gains what `loss.backward()` of the
+  /// plain model would add. A failure anywhere throws a CellError naming
+  /// stage, micro-batch and phase ("loss" for `loss_fn`).
+  /// `training` selects checkpointing, as in `forward`.
+  at::Tensor train_step(const Batch& input, const Batch& target, const LossFn& loss_fn,
+                        bool training);
+
+  /// The plan train_step runs for `microbatches` micro-batches (validated).
+  const Plan& plan(int64_t microbatches);
+  PlanKind plan_kind() const noexcept { return plan_kind_; }
+
   int64_t stages() const noexcept { return static_cast<int64_t>(stages_.size()); }
+  int64_t workers() const noexcept { return executor_.workers(); }
 
   /// Where inputs are cut and outputs joined (see `scatter` and `gather`):
   /// dim 0 of every value unless set. Set before the first run.
@@ -146,6 +181,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   BatchDims input_dims_{0};
   BatchDims output_dims_{0};
   Checkpoint checkpoint_;
+  int64_t virtual_stages_;
+  PlanKind plan_kind_;
+  /// The last plan made, for its micro-batch count.
+  std::optional<Plan> plan_;
   ErrorHook error_hook_;
   Tracer tracer_;
 };

@@ -1,4 +1,4 @@
-// executor.cpp — persistent per-stage workers, mailboxes between neighbours, first-error cancellation.
+// executor.cpp — persistent workers running schedules and plans, first-error cancellation.
 #include "executor.h"
 
 #include <gpipe/error.h>
@@ -14,10 +14,6 @@
 namespace gpipe::detail {
 
 namespace {
-
-// How long a worker spins for its next input before it parks: about what
-// parking and waking a thread costs on a VM (futex, context switches).
-constexpr std::chrono::microseconds kSpin{50};
 
 thread_local int64_t running_stage = -1;
 
@@ -43,27 +39,9 @@ struct Executor::Run {
   const Schedule* schedule = nullptr;
   const CellFn* cell = nullptr;
   int64_t stages = 0;
-  int64_t microbatches = 0;
-
-  // One hand-over: written once by the neighbour, read once by the stage.
-  // Setting `full` (after the payload is written) publishes `payload`.
-  struct Slot {
-    Payload payload;
-    std::atomic<bool> full{false};
-  };
-  // Inbox of each stage: per phase and micro-batch, the payload handed over.
-  // The stage's worker spins briefly for an input before it parks on
-  // `arrived`; a sender takes the mutex and notifies only when it is parked.
-  struct Inbox {
-    std::mutex mutex;
-    std::condition_variable arrived;
-    std::atomic<int> parked{0};
-    std::vector<Slot> slots[2];
-  };
-  std::vector<Inbox> inbox;
+  Mailboxes mail;
   std::vector<Payload> sinks;
 
-  std::atomic<bool> cancelled{false};
   std::mutex error_mutex;
   std::exception_ptr error;
 
@@ -71,66 +49,17 @@ struct Executor::Run {
       : schedule(&s),
         cell(&fn),
         stages(static_cast<int64_t>(s.stages.size())),
-        microbatches(s.microbatches),
-        inbox(static_cast<size_t>(stages)),
-        sinks(static_cast<size_t>(s.microbatches)) {
-    for (auto& box : inbox) {
-      for (auto& phase : box.slots) phase = std::vector<Slot>(static_cast<size_t>(microbatches));
-    }
-  }
+        mail(stages, s.microbatches),
+        sinks(static_cast<size_t>(s.microbatches)) {}
 
-  Slot& slot(int64_t stage, Phase phase, int64_t microbatch) {
-    return inbox[static_cast<size_t>(stage)]
-        .slots[static_cast<int>(phase)][static_cast<size_t>(microbatch)];
-  }
-
-  void put(int64_t stage, Phase phase, int64_t microbatch, Payload payload) {
-    auto& box = inbox[static_cast<size_t>(stage)];
-    auto& s = slot(stage, phase, microbatch);
-    s.payload = std::move(payload);
-    // seq_cst pairs with the parking worker's increment of `parked` and its
-    // check of `full`: either it sees the payload or we see it parked.
-    s.full.store(true);
-    if (box.parked.load() > 0) {
-      // Taking the mutex orders the store before the worker's wait.
-      { std::lock_guard<std::mutex> hold(box.mutex); }
-      box.arrived.notify_all();
-    }
-  }
-
-  // Waits for the input of (stage, phase, microbatch); nullopt when
-  // cancelled. Cells on CPU can be tens of microseconds, less than waking a
-  // parked thread takes, so the worker first spins (yielding its core to
-  // any other runnable thread) for a short while.
-  std::optional<Payload> take(int64_t stage, Phase phase, int64_t microbatch) {
-    auto& box = inbox[static_cast<size_t>(stage)];
-    auto& s = slot(stage, phase, microbatch);
-    auto arrived = [&] { return s.full.load() || cancelled.load(); };
-    if (!arrived()) {
-      const auto until = std::chrono::steady_clock::now() + kSpin;
-      while (!arrived() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
-    }
-    if (!arrived()) {
-      std::unique_lock<std::mutex> hold(box.mutex);
-      box.parked.fetch_add(1);
-      box.arrived.wait(hold, arrived);
-      box.parked.fetch_sub(1);
-    }
-    if (!s.full.load()) return std::nullopt;
-    return std::move(s.payload);
-  }
+  static Flow flow(Phase phase) { return phase == Phase::Forward ? Flow::Activation : Flow::Grad; }
 
   void fail(std::exception_ptr e) {
     {
       std::lock_guard<std::mutex> hold(error_mutex);
       if (!error) error = std::move(e);
     }
-    cancelled.store(true);
-    for (auto& box : inbox) {
-      // Taking the mutex orders the flag before any waiter's next check.
-      { std::lock_guard<std::mutex> hold(box.mutex); }
-      box.arrived.notify_all();
-    }
+    mail.cancel();
   }
 };
 
@@ -139,20 +68,21 @@ struct Executor::Worker {
   std::mutex mutex;
   std::condition_variable wake;
   std::condition_variable idle;
-  // The job: run `actions` of `stage` in `run` under `state`.
-  Run* run = nullptr;
+  // The job, run under `state`; null when idle.
+  const Job* job = nullptr;
   const at::ThreadLocalState* state = nullptr;
-  int64_t stage = 0;
+  int64_t index = 0;
   bool stop = false;
 };
 
-Executor::Executor(int64_t stages, const std::vector<int>& intra_op_threads) {
-  TORCH_CHECK(stages >= 1, "an executor needs at least one stage, got ", stages);
-  TORCH_CHECK(intra_op_threads.empty() || static_cast<int64_t>(intra_op_threads.size()) == stages,
-              "intra_op_threads has ", intra_op_threads.size(), " entries for ", stages,
-              " stages");
-  for (int64_t j = 0; j < stages; ++j) {
+Executor::Executor(int64_t workers, const std::vector<int>& intra_op_threads) {
+  TORCH_CHECK(workers >= 1, "an executor needs at least one worker, got ", workers);
+  TORCH_CHECK(intra_op_threads.empty() || static_cast<int64_t>(intra_op_threads.size()) == workers,
+              "intra_op_threads has ", intra_op_threads.size(), " entries for ", workers,
+              " workers");
+  for (int64_t w = 0; w < workers; ++w) {
     workers_.push_back(std::make_unique<Worker>());
+    workers_.back()->index = w;
   }
   // at::set_num_threads sets the calling thread's OpenMP and MKL counts,
   // which is what a worker needs, but it also stores the count process-wide
@@ -163,7 +93,7 @@ Executor::Executor(int64_t stages, const std::vector<int>& intra_op_threads) {
   // it before any worker sets its count: a thread's first at:: call adopts
   // the process-wide count.)
   const int own = at::get_num_threads();
-  std::latch ready(stages);
+  std::latch ready(workers);
   bool sets_any = false;
   for (size_t j = 0; j < workers_.size(); ++j) {
     Worker* worker = workers_[j].get();
@@ -201,11 +131,11 @@ Executor::~Executor() {
 }
 
 void Executor::perform(Run& run, int64_t stage, const Action& action) {
-  if (run.cancelled.load()) return;
+  if (run.mail.cancelled()) return;
   const bool forward = action.phase == Phase::Forward;
   const int64_t i = action.microbatch;
-  auto input = run.take(stage, action.phase, i);
-  if (!input || run.cancelled.load()) return;
+  auto input = run.mail.receive({stage, Run::flow(action.phase), i});
+  if (!input || run.mail.cancelled()) return;
   const char* phase = forward ? "forward" : "backward";
   try {
     InCell in_cell(stage);
@@ -214,7 +144,7 @@ void Executor::perform(Run& run, int64_t stage, const Action& action) {
     if (next < 0 || next >= run.stages) {
       run.sinks[static_cast<size_t>(i)] = std::move(out);
     } else {
-      run.put(next, action.phase, i, std::move(out));
+      run.mail.send({next, Run::flow(action.phase), i}, std::move(out));
     }
   } catch (...) {
     run.fail(std::make_exception_ptr(CellError(stage, i, phase, std::current_exception())));
@@ -223,38 +153,60 @@ void Executor::perform(Run& run, int64_t stage, const Action& action) {
 
 void Executor::work(Worker& worker) {
   for (;;) {
-    Run* run = nullptr;
+    const Job* job = nullptr;
     const at::ThreadLocalState* state = nullptr;
     {
       std::unique_lock<std::mutex> hold(worker.mutex);
-      worker.wake.wait(hold, [&] { return worker.stop || worker.run != nullptr; });
+      worker.wake.wait(hold, [&] { return worker.stop || worker.job != nullptr; });
       if (worker.stop) return;
-      run = worker.run;
+      job = worker.job;
       state = worker.state;
     }
     {
       at::ThreadLocalStateGuard guard(*state);
-      for (const auto& action : run->schedule->stages[static_cast<size_t>(worker.stage)]) {
-        if (run->cancelled.load()) break;
-        perform(*run, worker.stage, action);
-      }
+      (*job)(worker.index);
     }
     {
       std::lock_guard<std::mutex> hold(worker.mutex);
-      worker.run = nullptr;
+      worker.job = nullptr;
       worker.state = nullptr;
     }
     worker.idle.notify_one();
   }
 }
 
+void Executor::dispatch(const Job& job, const at::ThreadLocalState& state,
+                        const std::vector<bool>& skip, const std::function<void()>& inline_part) {
+  std::vector<Worker*> started;
+  for (size_t w = 0; w < workers_.size(); ++w) {
+    if (w < skip.size() && skip[w]) continue;
+    auto& worker = *workers_[w];
+    {
+      std::lock_guard<std::mutex> hold(worker.mutex);
+      worker.job = &job;
+      worker.state = &state;
+    }
+    worker.wake.notify_one();
+    started.push_back(&worker);
+  }
+  // Jobs catch their own errors (they cancel the run); the inline part too.
+  if (inline_part) inline_part();
+  for (Worker* w : started) {
+    std::unique_lock<std::mutex> hold(w->mutex);
+    w->idle.wait(hold, [&] { return w->job == nullptr; });
+  }
+}
+
 std::vector<Payload> Executor::run(const Schedule& schedule, std::vector<Payload> sources,
                                    const CellFn& cell, const at::ThreadLocalState& state,
                                    const std::vector<bool>& inline_stages) {
-  TORCH_CHECK(static_cast<int64_t>(schedule.stages.size()) == stages(), "schedule has ",
-              schedule.stages.size(), " stages but the executor has ", stages());
+  const auto stages = static_cast<int64_t>(schedule.stages.size());
+  TORCH_CHECK(stages >= workers() && stages % workers() == 0, "schedule has ", stages,
+              " stages for ", workers(), " workers; it needs a multiple of them");
   TORCH_CHECK(static_cast<int64_t>(sources.size()) == schedule.microbatches, "got ",
               sources.size(), " sources for ", schedule.microbatches, " micro-batches");
+  TORCH_CHECK(inline_stages.empty() || static_cast<int64_t>(inline_stages.size()) == stages,
+              "inline_stages has ", inline_stages.size(), " entries for ", stages, " stages");
   Run run(schedule, cell);
   // Sources enter at the first stage in their direction: the input at stage
   // 0 when the schedule runs forward cells, the output grads at the last
@@ -264,41 +216,85 @@ std::vector<Payload> Executor::run(const Schedule& schedule, std::vector<Payload
     for (const auto& a : actions) has_forward = has_forward || a.phase == Phase::Forward;
   }
   const Phase entry_phase = has_forward ? Phase::Forward : Phase::Backward;
-  const int64_t entry = has_forward ? 0 : stages() - 1;
+  const int64_t entry = has_forward ? 0 : stages - 1;
   for (int64_t i = 0; i < schedule.microbatches; ++i) {
-    run.put(entry, entry_phase, i, std::move(sources[static_cast<size_t>(i)]));
+    run.mail.send({entry, Run::flow(entry_phase), i}, std::move(sources[static_cast<size_t>(i)]));
   }
 
-  TORCH_CHECK(inline_stages.empty() || static_cast<int64_t>(inline_stages.size()) == stages(),
-              "inline_stages has ", inline_stages.size(), " entries for ", stages(), " stages");
-  auto runs_inline = [&](size_t j) { return !inline_stages.empty() && inline_stages[j]; };
-  std::vector<Worker*> started;
-  for (size_t j = 0; j < workers_.size(); ++j) {
-    if (runs_inline(j)) continue;
-    auto& w = *workers_[j];
-    {
-      std::lock_guard<std::mutex> hold(w.mutex);
-      w.run = &run;
-      w.state = &state;
-      w.stage = static_cast<int64_t>(j);
+  auto runs_inline = [&](int64_t j) {
+    return !inline_stages.empty() && inline_stages[static_cast<size_t>(j)];
+  };
+  const auto w_count = workers();
+  // A worker with one stage runs that stage's list. A worker with several
+  // (virtual stages), and the calling thread for the inline stages, follow
+  // one global order (serialize's, which each stage's own list agrees
+  // with), so no two threads wait on each other.
+  std::vector<Step> order;
+  if (stages > w_count || !inline_stages.empty()) order = serialize(schedule);
+  std::vector<bool> idle(static_cast<size_t>(w_count), true);
+  for (int64_t j = 0; j < stages; ++j) {
+    if (!runs_inline(j)) idle[static_cast<size_t>(j % w_count)] = false;
+  }
+  const Job job = [&](int64_t w) {
+    if (stages == w_count) {
+      for (const auto& action : schedule.stages[static_cast<size_t>(w)]) {
+        if (run.mail.cancelled()) break;
+        if (!runs_inline(w)) perform(run, w, action);
+      }
+      return;
     }
-    w.wake.notify_one();
-    started.push_back(&w);
-  }
-  if (started.size() != workers_.size()) {
-    // Every thread follows one global order (serialize's, which each
-    // stage's own list agrees with), so no two wait on each other.
-    for (const auto& step : serialize(schedule)) {
-      if (run.cancelled.load()) break;
-      if (runs_inline(static_cast<size_t>(step.stage))) perform(run, step.stage, step.action);
+    for (const auto& step : order) {
+      if (run.mail.cancelled()) break;
+      if (step.stage % w_count == w && !runs_inline(step.stage)) {
+        perform(run, step.stage, step.action);
+      }
     }
+  };
+  std::function<void()> inline_part;
+  if (!inline_stages.empty()) {
+    inline_part = [&] {
+      for (const auto& step : order) {
+        if (run.mail.cancelled()) break;
+        if (runs_inline(step.stage)) perform(run, step.stage, step.action);
+      }
+    };
   }
-  for (Worker* w : started) {
-    std::unique_lock<std::mutex> hold(w->mutex);
-    w->idle.wait(hold, [&] { return w->run == nullptr; });
-  }
+  dispatch(job, state, idle, inline_part);
   if (run.error) std::rethrow_exception(run.error);
   return std::move(run.sinks);
+}
+
+void Executor::run_plan(const Plan& plan, const TaskFn& task, Handoff& handoff,
+                        const at::ThreadLocalState& state) {
+  TORCH_CHECK(plan.workers == workers(), "plan for ", plan.workers, " workers on an executor of ",
+              workers());
+  std::mutex error_mutex;
+  std::exception_ptr error;
+  const Job job = [&](int64_t w) {
+    for (const auto& t : plan.lists[static_cast<size_t>(w)]) {
+      if (handoff.cancelled()) break;
+      const char* phase = t.op == Op::F   ? "forward"
+                          : t.op == Op::B ? "backward"
+                          : t.op == Op::I ? "input-grad backward"
+                                          : "weight-grad backward";
+      try {
+        InCell in_cell(t.stage);
+        task(t, phase);
+      } catch (...) {
+        {
+          std::lock_guard<std::mutex> hold(error_mutex);
+          if (!error) {
+            error = std::make_exception_ptr(
+                CellError(t.stage, t.microbatch, phase, std::current_exception()));
+          }
+        }
+        handoff.cancel();
+        break;
+      }
+    }
+  };
+  dispatch(job, state, {}, {});
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace gpipe::detail

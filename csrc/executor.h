@@ -1,14 +1,20 @@
-// executor.h — one worker thread per stage running a schedule, handing data between neighbours.
+// executor.h — persistent worker threads (one per device) running a schedule's or a plan's lists.
 //
-// A run gives each stage's worker its list of actions. An action waits for
-// its input from the neighbouring stage (forward from j-1, backward from
-// j+1; the ends are fed by `sources` and drain into the result), runs the
-// cell, and hands its output on. The first cell that throws cancels the run:
-// no new cell starts, every waiting worker wakes up and stops, and `run`
-// rethrows that error as a CellError naming stage, micro-batch and phase
-// once all workers are idle again.
+// Stage j runs on worker j mod W (W workers; more stages than workers with
+// virtual stages). `run` gives each worker the actions of its stages: an
+// action waits for its input from the neighbouring stage (forward from j-1,
+// backward from j+1; the ends are fed by `sources` and drain into the
+// result), runs the cell, and hands its output on through in-process
+// mailboxes (handoff.h). `run_plan` gives each worker its list of a
+// training plan (plan.h); the task function does its own hand-offs. Either
+// way the first cell that throws cancels the run: no new cell starts, every
+// waiting worker wakes up and stops, and the call rethrows that error as a
+// CellError naming stage, micro-batch and phase once all workers are idle
+// again.
 #pragma once
 
+#include "handoff.h"
+#include "plan.h"
 #include "schedule.h"
 #include "streams.h"
 
@@ -30,18 +36,23 @@ namespace gpipe::detail {
 using CellFn =
     std::function<Payload(int64_t stage, const Action& action, Payload input, const char*& phase)>;
 
+/// Runs one task of a plan on the calling worker: receives what it needs
+/// and sends what it makes through the run's hand-off itself. May set
+/// `phase` to name the part that is running ("loss", "recompute").
+using TaskFn = std::function<void(const Task& task, const char*& phase)>;
+
 class Executor {
  public:
-  /// Starts one worker per stage. `intra_op_threads[j]` > 0 fixes worker
-  /// j's intra-op thread count (as `at::set_num_threads` on that thread);
-  /// 0, or no entry, leaves it at torch's setting. Other threads' counts
-  /// stay as they were (see executor.cpp).
-  explicit Executor(int64_t stages, const std::vector<int>& intra_op_threads = {});
+  /// Starts `workers` workers. `intra_op_threads[w]` > 0 fixes worker w's
+  /// intra-op thread count (as `at::set_num_threads` on that thread); 0, or
+  /// no entry, leaves it at torch's setting. Other threads' counts stay as
+  /// they were (see executor.cpp).
+  explicit Executor(int64_t workers, const std::vector<int>& intra_op_threads = {});
   ~Executor();
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 
-  int64_t stages() const noexcept { return static_cast<int64_t>(workers_.size()); }
+  int64_t workers() const noexcept { return static_cast<int64_t>(workers_.size()); }
 
   /// Runs `schedule` and returns, per micro-batch, what left the pipeline
   /// (the last stage's forward outputs, or the first stage's input grads).
@@ -53,6 +64,13 @@ class Executor {
                            const at::ThreadLocalState& state,
                            const std::vector<bool>& inline_stages = {});
 
+  /// Runs `plan` (checked with `validate` by the caller): worker w runs
+  /// `plan.lists[w]` in order, calling `task` for each, under `state`. The
+  /// first task that throws cancels `handoff` (waking every receive) and
+  /// is rethrown as a CellError once every worker has stopped.
+  void run_plan(const Plan& plan, const TaskFn& task, Handoff& handoff,
+                const at::ThreadLocalState& state);
+
   /// The stage whose cell the calling thread is running now (of any
   /// executor), or -1.
   static int64_t current_stage() noexcept;
@@ -61,7 +79,13 @@ class Executor {
   struct Run;
   struct Worker;
 
+  using Job = std::function<void(int64_t worker)>;
   static void perform(Run& run, int64_t stage, const Action& action);
+  /// Runs `job` on every worker not marked in `skip` (each on its own
+  /// thread, under `state`); `inline_part` meanwhile on the calling thread.
+  /// Returns once all are done.
+  void dispatch(const Job& job, const at::ThreadLocalState& state, const std::vector<bool>& skip,
+                const std::function<void()>& inline_part);
   void work(Worker& worker);
 
   std::vector<std::unique_ptr<Worker>> workers_;

@@ -53,6 +53,17 @@ void accumulate_into(torch::autograd::AccumulateGrad& accumulator, std::mutex& l
       [&sum](at::Tensor&& update) { sum = std::move(update); });
 }
 
+torch::autograd::AccumulateGrad* plain_accumulator(const Edge& edge) {
+  auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(edge.function.get());
+  if (acc == nullptr) return nullptr;
+  if (!acc->pre_hooks().empty() || !acc->post_hooks().empty() ||
+      !acc->tensor_pre_hooks().empty() || !acc->retains_grad_hooks().empty() ||
+      acc->tensor_post_acc_grad_hooks() != nullptr) {
+    return nullptr;
+  }
+  return acc;
+}
+
 torch::autograd::variable_list Capture::apply(torch::autograd::variable_list&& grads) {
   at::Tensor& g = grads.at(0);
   if (!g.defined()) return {};

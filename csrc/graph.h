@@ -54,6 +54,10 @@ class GraphWindow {
 void accumulate_into(torch::autograd::AccumulateGrad& accumulator, std::mutex& lock,
                      const at::Tensor& grad);
 
+/// The accumulator `edge` leads to when it is an AccumulateGrad without
+/// hooks (autograd would only add into its leaf's `.grad` there), else null.
+torch::autograd::AccumulateGrad* plain_accumulator(const torch::autograd::Edge& edge);
+
 /// Stands in for an outside node inside a cell's graph (see `Cut`). When a
 /// backward runs it, it hands the grad arriving here to its sink: adds it
 /// into `into` (a sum the cell's backward reads), or into `accumulate`'s

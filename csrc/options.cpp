@@ -1,4 +1,4 @@
-// options.cpp — printing checkpoint modes.
+// options.cpp — printing checkpoint modes and schedules.
 #include <gpipe/options.h>
 
 namespace gpipe {
@@ -17,6 +17,24 @@ std::string to_string(Checkpoint checkpoint) {
 
 std::ostream& operator<<(std::ostream& stream, Checkpoint checkpoint) {
   return stream << to_string(checkpoint);
+}
+
+std::string to_string(Schedule schedule) {
+  switch (schedule) {
+    case Schedule::GPipe:
+      return "gpipe";
+    case Schedule::OneFOneB:
+      return "1f1b";
+    case Schedule::Interleaved1F1B:
+      return "interleaved_1f1b";
+    case Schedule::ZBH1:
+      return "zb_h1";
+  }
+  return "unknown";
+}
+
+std::ostream& operator<<(std::ostream& stream, Schedule schedule) {
+  return stream << to_string(schedule);
 }
 
 }  // namespace gpipe

@@ -60,6 +60,20 @@ std::vector<c10::Device> default_devices(size_t stages) {
   return std::vector<c10::Device>(stages, c10::Device(c10::kCPU));
 }
 
+detail::PlanKind plan_kind(Schedule schedule) {
+  switch (schedule) {
+    case Schedule::GPipe:
+      return detail::PlanKind::GPipe;
+    case Schedule::OneFOneB:
+      return detail::PlanKind::OneFOneB;
+    case Schedule::Interleaved1F1B:
+      return detail::PlanKind::Interleaved1F1B;
+    case Schedule::ZBH1:
+      return detail::PlanKind::ZBH1;
+  }
+  return detail::PlanKind::GPipe;
+}
+
 }  // namespace
 
 PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
@@ -79,6 +93,12 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
 
   GPIPE_CHECK_VALUE(options_.chunks() >= 1, "chunks must be at least 1, got ", options_.chunks(),
                     "; it is the number of micro-batches per mini-batch");
+  const int64_t v = options_.virtual_stages();
+  GPIPE_CHECK_VALUE(v >= 1, "virtual_stages must be at least 1, got ", v,
+                    "; it is the number of stages per device");
+  GPIPE_CHECK_VALUE(v == 1 || options_.schedule() == Schedule::Interleaved1F1B,
+                    "virtual_stages is ", v, " but schedule ", options_.schedule(),
+                    " runs one stage per device; use Schedule::Interleaved1F1B, or virtual_stages 1");
 
   if (options_.balance().empty()) {
     // One stage per device given (or per CUDA device), balanced for them.
@@ -89,7 +109,8 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
                       "balance is empty and there are no devices to count stages by; pass "
                       "PipeOptions().balance({...}) (layers per stage) or .devices({...}) (one per "
                       "stage, e.g. {torch::kCPU, torch::kCPU}) to have a balance computed");
-    const auto stages = std::min<int64_t>(static_cast<int64_t>(devices.size()), layers);
+    const auto stages =
+        v * std::min<int64_t>(static_cast<int64_t>(devices.size()), std::max<int64_t>(layers / v, 1));
     options_.balance(options_.sample().defined()
                          ? balance_by_time(stages, sequential_, options_.sample(),
                                            BalanceOptions().device(devices.front()))
@@ -106,14 +127,22 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
                     " but the Sequential has ", detail::count(layers, "layer"),
                     "; pass one entry per stage summing to ", layers);
   const size_t stages = balance.size();
+  GPIPE_CHECK_VALUE(stages % static_cast<size_t>(v) == 0, "balance ", listed(balance), " has ",
+                    stages, " stages, not a multiple of virtual_stages ", v,
+                    "; give virtual_stages entries per device (", v, " x devices)");
+  const size_t workers = stages / static_cast<size_t>(v);
 
-  if (options_.devices().empty()) options_.devices(default_devices(stages));
+  if (options_.devices().empty()) options_.devices(default_devices(workers));
   auto& devices = options_.devices();
-  GPIPE_CHECK_INDEX(devices.size() >= stages, "balance ", listed(balance), " asks for ", stages,
-                    " stages but only ", detail::count(static_cast<int64_t>(devices.size()), "device"),
+  GPIPE_CHECK_INDEX(devices.size() >= workers, "balance ", listed(balance), " asks for ", workers,
+                    v > 1 ? " devices (" + std::to_string(v) + " stages each)" : std::string(" stages"),
+                    " but only ", detail::count(static_cast<int64_t>(devices.size()), "device"),
                     devices.size() == 1 ? " is" : " are", " given ", listed(devices),
                     "; pass at least one device per stage, or fewer stages");
-  devices.erase(devices.begin() + static_cast<std::ptrdiff_t>(stages), devices.end());
+  devices.erase(devices.begin() + static_cast<std::ptrdiff_t>(workers), devices.end());
+  // Stage j runs on worker j mod W, on its device.
+  std::vector<c10::Device> stage_devices;
+  for (size_t j = 0; j < stages; ++j) stage_devices.push_back(devices[j % workers]);
 
   // Adopt the layers under the Sequential's own names, so parameters and
   // state_dict keys read "0.weight" as in the Sequential.
@@ -125,14 +154,15 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
   for (size_t j = 0; j < stages; ++j) {
     std::vector<torch::nn::AnyModule> modules;
     for (int64_t n = 0; n < balance[j]; ++n, ++it) {
-      it->ptr()->to(devices[j]);
+      it->ptr()->to(stage_devices[j]);
       modules.push_back(*it);
     }
     parts.push_back(std::make_unique<SequentialLayers>(std::move(modules), offset));
     offset += balance[j];
   }
-  engine_ = std::make_shared<detail::Engine>(std::move(parts), devices, options_.chunks(),
-                                             options_.checkpoint(), options_.intra_op_threads());
+  engine_ = std::make_shared<detail::Engine>(std::move(parts), stage_devices, options_.chunks(),
+                                             options_.checkpoint(), options_.intra_op_threads(),
+                                             v, plan_kind(options_.schedule()));
   engine_->set_batch_dims(options_.batch_dim(), options_.output_batch_dim());
   engine_->tracer().set_capacity(options_.trace_capacity());
   engine_->tracer().enable(options_.trace());
@@ -154,6 +184,32 @@ std::vector<torch::Tensor> PipeImpl::forward_tuple(std::vector<torch::Tensor> in
 
 std::vector<torch::Tensor> PipeImpl::forward_tuple(const torch::Tensor& input) {
   return engine_->forward(detail::Batch(input), is_training()).values;
+}
+
+torch::Tensor PipeImpl::train_step(const torch::Tensor& input, const torch::Tensor& target,
+                                   const LossFn& loss_fn) {
+  GPIPE_CHECK_VALUE(static_cast<bool>(loss_fn), "train_step needs a loss_fn, got an empty one");
+  return engine_->train_step(
+      detail::Batch(input), detail::Batch(target),
+      [&](const detail::Batch& output, const detail::Batch& target_mb) {
+        GPIPE_CHECK_VALUE(output.atomic && output.size() == 1, "the Pipe's last layer returned ",
+                          output.size(), " tensors; call train_step_tuple to get them all");
+        return loss_fn(output[0], target_mb[0]);
+      },
+      is_training());
+}
+
+torch::Tensor PipeImpl::train_step_tuple(std::vector<torch::Tensor> inputs,
+                                         std::vector<torch::Tensor> targets,
+                                         const TupleLossFn& loss_fn) {
+  GPIPE_CHECK_VALUE(static_cast<bool>(loss_fn), "train_step_tuple needs a loss_fn, got an empty one");
+  return engine_->train_step(
+      detail::Batch(std::move(inputs), /*is_atomic=*/false),
+      detail::Batch(std::move(targets), /*is_atomic=*/false),
+      [&](const detail::Batch& output, const detail::Batch& target_mb) {
+        return loss_fn(output.values, target_mb.values);
+      },
+      is_training());
 }
 
 void PipeImpl::set_tracing(bool on) {
@@ -187,7 +243,9 @@ void PipeImpl::to(torch::Device device, bool /*non_blocking*/) {
 
 void PipeImpl::pretty_print(std::ostream& stream) const {
   stream << "gpipe::Pipe(balance=" << listed(balance()) << ", devices=" << listed(devices())
-         << ", chunks=" << chunks() << ", checkpoint=" << checkpoint();
+         << ", chunks=" << chunks() << ", checkpoint=" << checkpoint()
+         << ", schedule=" << options_.schedule();
+  if (options_.virtual_stages() != 1) stream << ", virtual_stages=" << options_.virtual_stages();
   const auto& dims = options_.batch_dim();
   if (!(dims.size() == 1 && dims.front() == 0)) {
     stream << ", batch_dim={";

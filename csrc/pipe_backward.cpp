@@ -2,6 +2,7 @@
 #include "pipe_backward.h"
 
 #include "engine.h"
+#include "graph.h"
 
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
@@ -20,13 +21,8 @@ namespace {
 // backward does layer by layer, instead of holding a second copy of every
 // parameter's grad until PipeBackward returns.
 bool accumulates_plainly(const torch::autograd::Edge& edge) {
-  auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(edge.function.get());
+  auto* acc = plain_accumulator(edge);
   if (acc == nullptr) return false;
-  if (!acc->pre_hooks().empty() || !acc->post_hooks().empty() ||
-      !acc->tensor_pre_hooks().empty() || !acc->retains_grad_hooks().empty() ||
-      acc->tensor_post_acc_grad_hooks() != nullptr) {
-    return false;
-  }
   const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
   if (exec_info == nullptr || exec_info->empty()) return true;
   auto it = exec_info->find(acc);

@@ -337,6 +337,61 @@ void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
   cell.cut = cut_at_externals(cell.outputs.values, window, cell.leaves);
 }
 
+namespace {
+
+// Points each capture node of `cut` at its sink for the duration of one
+// backward pass, and back at nothing afterwards.
+class ArmedCaptures {
+ public:
+  ArmedCaptures(const Cut& cut, const std::vector<ExternalSink>& sinks,
+                std::vector<at::Tensor>& external_grads)
+      : cut_(cut) {
+    for (size_t e = 0; e < cut.externals.size(); ++e) {
+      const auto& node = cut.capture_nodes[e];
+      if (!node) continue;
+      node->into = &external_grads[e];
+      node->accumulate = sinks[e].accumulate;
+      node->lock = sinks[e].lock;
+    }
+  }
+  ~ArmedCaptures() {
+    for (const auto& node : cut_.capture_nodes) {
+      if (node) node->into = nullptr, node->accumulate = nullptr, node->lock = nullptr;
+    }
+  }
+  ArmedCaptures(const ArmedCaptures&) = delete;
+  ArmedCaptures& operator=(const ArmedCaptures&) = delete;
+
+ private:
+  const Cut& cut_;
+};
+
+// The layers returned an outside tensor itself as output k: its grad is
+// `grad`, straight into the sink.
+void deliver_direct(int64_t direct, const at::Tensor& grad, const std::vector<ExternalSink>& sinks,
+                    std::vector<at::Tensor>& external_grads) {
+  const auto& sink = sinks[static_cast<size_t>(direct)];
+  if (!sink.wanted) return;
+  if (sink.accumulate != nullptr) {
+    accumulate_into(*sink.accumulate, *sink.lock, grad);
+  } else {
+    auto& g = external_grads[static_cast<size_t>(direct)];
+    g = g.defined() ? g + grad : grad;
+  }
+}
+
+void run_backward(const torch::autograd::edge_list& roots, const variable_list& grads,
+                  bool keep_graph, const torch::autograd::edge_list& targets) {
+  if (roots.empty() || targets.empty()) return;
+  // accumulate_grad: the targets run (leaf accumulators, capture nodes)
+  // rather than being captured; nothing else outside the cell is reached.
+  torch::autograd::Engine::get_default_engine().execute(roots, grads, keep_graph,
+                                                        /*create_graph=*/false,
+                                                        /*accumulate_grad=*/true, targets);
+}
+
+}  // namespace
+
 Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
                       const std::vector<bool>& wanted_inputs,
                       const std::vector<ExternalSink>& sinks,
@@ -351,21 +406,12 @@ Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
   for (size_t k = 0; k < cell.outputs.size(); ++k) {
     const auto& out = cell.outputs[k];
     if (!out.defined() || !out.requires_grad() || !grads[k].defined()) continue;
-    const int64_t direct = cut.direct[k];
-    if (direct < 0) {
-      roots.push_back(torch::autograd::impl::gradient_edge(out));
-      root_grads.push_back(grads[k]);
+    if (cut.direct[k] >= 0) {
+      deliver_direct(cut.direct[k], grads[k], sinks, external_grads);
       continue;
     }
-    // The layers returned an outside tensor itself: its grad is this one.
-    const auto& sink = sinks[static_cast<size_t>(direct)];
-    if (!sink.wanted) continue;
-    if (sink.accumulate != nullptr) {
-      accumulate_into(*sink.accumulate, *sink.lock, grads[k]);
-    } else {
-      auto& g = external_grads[static_cast<size_t>(direct)];
-      g = g.defined() ? g + grads[k] : grads[k];
-    }
+    roots.push_back(torch::autograd::impl::gradient_edge(out));
+    root_grads.push_back(grads[k]);
   }
   // The grads leave the cell at its input leaves (accumulated into their
   // .grad, read below) and at the capture nodes of the external edges asked
@@ -381,27 +427,11 @@ Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
     }
   }
   for (size_t e = 0; e < cut.externals.size(); ++e) {
-    const auto& node = cut.capture_nodes[e];
-    if (!node) continue;
-    node->into = &external_grads[e];
-    node->accumulate = sinks[e].accumulate;
-    node->lock = sinks[e].lock;
-    if (sinks[e].wanted) targets.push_back(cut.captures[e]);
+    if (cut.capture_nodes[e] && sinks[e].wanted) targets.push_back(cut.captures[e]);
   }
-  struct Unhook {
-    const Cut& cut;
-    ~Unhook() {
-      for (const auto& node : cut.capture_nodes) {
-        if (node) node->into = nullptr, node->accumulate = nullptr, node->lock = nullptr;
-      }
-    }
-  } unhook{cut};
-  if (!roots.empty() && !targets.empty()) {
-    // accumulate_grad: the targets run (leaf accumulators, capture nodes)
-    // rather than being captured; nothing else outside the cell is reached.
-    torch::autograd::Engine::get_default_engine().execute(
-        roots, root_grads, /*keep_graph=*/keep_graph, /*create_graph=*/false,
-        /*accumulate_grad=*/true, targets);
+  {
+    ArmedCaptures armed(cut, sinks, external_grads);
+    run_backward(roots, root_grads, keep_graph, targets);
   }
   Batch result;
   result.atomic = cell.input_atomic;
@@ -421,6 +451,130 @@ Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
     cell = Cell();
   }
   return result;
+}
+
+Batch Stage::backward_input(Cell& cell, const Batch& grads, const std::vector<bool>& wanted_inputs,
+                            const std::vector<ExternalSink>& sinks,
+                            std::vector<at::Tensor>& external_grads) {
+  TORCH_CHECK(grads.size() == cell.outputs.size(), "stage ", index_, " produced ",
+              cell.outputs.size(), " outputs but received ", grads.size(), " grads");
+  external_grads.assign(cell.cut.externals.size(), at::Tensor());
+  // Only the wanted leaves count as inputs: a path to any other is W's.
+  std::vector<at::Tensor> inputs(cell.leaves.size());
+  bool any_input = false;
+  for (size_t k = 0; k < cell.leaves.size(); ++k) {
+    if (cell.leaves[k].defined() && k < wanted_inputs.size() && wanted_inputs[k]) {
+      inputs[k] = cell.leaves[k];
+      any_input = true;
+    }
+  }
+  Batch none(std::vector<at::Tensor>(cell.leaves.size()), cell.input_atomic);
+  if (!any_input) {
+    // Nothing to pass back (the first stage): all of it is W's.
+    cell.deferred = Cell::Deferred::Whole;
+    cell.output_grads = grads;
+    return none;
+  }
+  auto split = std::make_shared<WeightSplit>(split_weights(cell.outputs.values, inputs, cell.cut));
+  if (!split->splittable) {
+    Batch dx = backward(cell, grads, /*keep_graph=*/false, wanted_inputs, sinks, external_grads);
+    cell.deferred = Cell::Deferred::Nothing;
+    return dx;
+  }
+  torch::autograd::edge_list roots;
+  variable_list root_grads;
+  for (size_t k = 0; k < cell.outputs.size(); ++k) {
+    const auto& out = cell.outputs[k];
+    if (!out.defined() || !out.requires_grad() || !grads[k].defined()) continue;
+    if (cell.cut.direct[k] >= 0) continue;  // W's
+    roots.push_back(torch::autograd::impl::gradient_edge(out));
+    root_grads.push_back(grads[k]);
+  }
+  torch::autograd::edge_list targets;
+  for (auto& leaf : inputs) {
+    if (!leaf.defined()) continue;
+    leaf.mutable_grad().reset();
+    targets.push_back(torch::autograd::impl::gradient_edge(leaf));
+  }
+  {
+    struct Arm {
+      WeightSplit& split;
+      explicit Arm(WeightSplit& s) : split(s) {
+        for (auto& r : split.roots) {
+          if (r.caught) r.caught->armed = true;
+        }
+      }
+      ~Arm() {
+        for (auto& r : split.roots) {
+          if (r.caught) r.caught->armed = false;
+        }
+      }
+    } arm(*split);
+    run_backward(roots, root_grads, /*keep_graph=*/true, targets);
+  }
+  Batch result = none;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    if (inputs[k].defined()) result.values[k] = inputs[k].grad();
+  }
+  cell.deferred = Cell::Deferred::Split;
+  cell.output_grads = grads;
+  cell.split = std::move(split);
+  return result;
+}
+
+void Stage::backward_weight(Cell& cell, const std::vector<ExternalSink>& sinks,
+                            std::vector<at::Tensor>& external_grads) {
+  const Cut& cut = cell.cut;
+  external_grads.assign(cut.externals.size(), at::Tensor());
+  switch (cell.deferred) {
+    case Cell::Deferred::Nothing:
+      cell = Cell();
+      return;
+    case Cell::Deferred::Whole: {
+      const Batch grads = std::move(cell.output_grads);
+      backward(cell, grads, /*keep_graph=*/false, std::vector<bool>(cell.leaves.size(), false),
+               sinks, external_grads);
+      cell = Cell();
+      return;
+    }
+    case Cell::Deferred::Split:
+      break;
+  }
+  TORCH_INTERNAL_ASSERT(sinks.size() == cut.externals.size());
+  const Batch& grads = cell.output_grads;
+  {
+    ArmedCaptures armed(cut, sinks, external_grads);
+    for (size_t k = 0; k < cell.outputs.size(); ++k) {
+      const auto& out = cell.outputs[k];
+      if (out.defined() && out.requires_grad() && grads[k].defined() && cut.direct[k] >= 0) {
+        deliver_direct(cut.direct[k], grads[k], sinks, external_grads);
+      }
+    }
+    for (const auto& root : cell.split->roots) {
+      torch::autograd::edge_list roots;
+      variable_list root_grads;
+      if (root.node) {
+        const auto& caught = root.caught->grads;
+        for (size_t slot = 0; slot < caught.size(); ++slot) {
+          if (!caught[slot].defined()) continue;
+          roots.emplace_back(root.node, static_cast<uint32_t>(slot));
+          root_grads.push_back(caught[slot]);
+        }
+      } else {
+        const auto k = static_cast<size_t>(root.output);
+        if (!grads[k].defined()) continue;
+        roots.push_back(torch::autograd::impl::gradient_edge(cell.outputs[k]));
+        root_grads.push_back(grads[k]);
+      }
+      torch::autograd::edge_list targets;
+      for (size_t e : root.targets) {
+        if (sinks[e].wanted) targets.push_back(cut.captures[e]);
+      }
+      // The graph stays for the other roots; it goes with the cell below.
+      run_backward(roots, root_grads, /*keep_graph=*/true, targets);
+    }
+  }
+  cell = Cell();
 }
 
 }  // namespace gpipe::detail

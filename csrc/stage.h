@@ -3,6 +3,7 @@
 
 #include "graph.h"
 #include "microbatch.h"
+#include "split.h"
 #include "streams.h"
 
 #include <ATen/ThreadLocalState.h>
@@ -79,6 +80,12 @@ struct Cell {
   /// for a checkpointed cell, whose graph is then dropped) and recompute;
   /// see graph.h.
   Cut cut;
+  /// Between I and W (zero-bubble): what W still has to do, the output
+  /// grads it may start from, and where it starts.
+  enum class Deferred : uint8_t { Nothing, Whole, Split };
+  Deferred deferred = Deferred::Nothing;
+  Batch output_grads;
+  std::shared_ptr<WeightSplit> split;
 };
 
 class Stage {
@@ -120,6 +127,19 @@ class Stage {
   Batch backward(Cell& cell, const Batch& grads, bool keep_graph,
                  const std::vector<bool>& wanted_inputs, const std::vector<ExternalSink>& sinks,
                  std::vector<at::Tensor>& external_grads);
+
+  /// I(i) of zero-bubble (after `recompute` for a checkpointed cell): like
+  /// `backward`, but computes only the grads of the cell's inputs and keeps
+  /// the graph and what W needs in `cell`. A cell that cannot be split (see
+  /// split.h) runs its whole backward here, into `sinks`; a cell with no
+  /// input grad wanted leaves all of it to W.
+  Batch backward_input(Cell& cell, const Batch& grads, const std::vector<bool>& wanted_inputs,
+                       const std::vector<ExternalSink>& sinks,
+                       std::vector<at::Tensor>& external_grads);
+  /// W(i): the grads of the external edges that I left, into `sinks` (as
+  /// `backward` does); frees the cell.
+  void backward_weight(Cell& cell, const std::vector<ExternalSink>& sinks,
+                       std::vector<at::Tensor>& external_grads);
 
  private:
   int64_t index_;

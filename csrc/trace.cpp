@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -22,6 +23,9 @@ const char* to_string(TracePhase phase) {
     case TracePhase::Backward: return "backward";
     case TracePhase::Recompute: return "recompute";
     case TracePhase::Copy: return "copy";
+    case TracePhase::Loss: return "loss";
+    case TracePhase::InputGrad: return "input_grad";
+    case TracePhase::WeightGrad: return "weight_grad";
   }
   return "unknown";
 }
@@ -34,6 +38,9 @@ char letter(TracePhase phase) {
     case TracePhase::Backward: return 'B';
     case TracePhase::Recompute: return 'R';
     case TracePhase::Copy: return 'C';
+    case TracePhase::Loss: return 'L';
+    case TracePhase::InputGrad: return 'I';
+    case TracePhase::WeightGrad: return 'W';
   }
   return '?';
 }
@@ -105,10 +112,16 @@ TraceSummary Trace::summary() const {
   std::map<int64_t, int64_t> microbatches;
   for (const auto& e : events) s.stages = std::max(s.stages, e.stage + 1);
   s.busy_us.assign(static_cast<size_t>(s.stages), 0.0);
+  // A train_step step (it has loss events) interleaves forwards and
+  // backwards: it is one span, not two halves.
+  std::set<int64_t> whole_steps;
+  for (const auto& e : events) {
+    if (e.phase == TracePhase::Loss) whole_steps.insert(e.step);
+  }
   for (const auto& e : events) {
     if (e.phase == TracePhase::Copy) continue;
     s.busy_us[static_cast<size_t>(e.stage)] += e.end_us - e.start_us;
-    const int half = e.phase == TracePhase::Forward ? 0 : 1;
+    const int half = e.phase == TracePhase::Forward || whole_steps.count(e.step) != 0 ? 0 : 1;
     auto [it, fresh] = halves.try_emplace({e.step, half}, e.start_us, e.end_us);
     if (!fresh) {
       it->second.first = std::min(it->second.first, e.start_us);

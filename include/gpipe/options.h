@@ -1,4 +1,4 @@
-// options.h — how a Pipe cuts a model and a batch: balance, devices, chunks, batch dims, checkpoint, tracing, threads.
+// options.h — how a Pipe cuts a model and a batch: balance, devices, chunks, batch dims, checkpoint, schedule, tracing, threads.
 #pragma once
 
 #include <gpipe/trace.h>
@@ -31,6 +31,31 @@ std::string to_string(Checkpoint checkpoint);
 /// Writes `to_string(checkpoint)`.
 std::ostream& operator<<(std::ostream& stream, Checkpoint checkpoint);
 
+/// The order in which `Pipe::train_step` runs the forwards and backwards of
+/// a mini-batch's micro-batches (`forward` always runs GPipe's). For K
+/// stages and M micro-batches, with a backward twice a forward:
+enum class Schedule {
+  /// GPipe: every forward, then every backward. Bubble (K-1)/(M+K-1); each
+  /// stage holds all M micro-batches' activations at the turn.
+  GPipe,
+  /// 1F1B (PipeDream-flush): after K-1-j warm-up forwards stage j runs one
+  /// forward and one backward in turn. GPipe's bubble, but at most K-j
+  /// micro-batches' activations per stage.
+  OneFOneB,
+  /// Megatron-LM's interleaved 1F1B: `virtual_stages` stages per device,
+  /// bubble (K-1)/v of 1F1B's, more hand-offs.
+  Interleaved1F1B,
+  /// Zero-bubble ZB-H1 (Qi et al., 2024): each backward split into the
+  /// input-grad half and the weight-grad half; the weight halves fill the
+  /// drain. About a third of 1F1B's bubble at 1F1B's memory.
+  ZBH1,
+};
+
+/// "gpipe", "1f1b", "interleaved_1f1b" or "zb_h1".
+std::string to_string(Schedule schedule);
+/// Writes `to_string(schedule)`.
+std::ostream& operator<<(std::ostream& stream, Schedule schedule);
+
 /// Options for `gpipe::Pipe`.
 ///
 /// Example:
@@ -43,7 +68,8 @@ struct PipeOptions {
   /// device, by profiled time when `sample` is given, else by parameter
   /// count (see balance.h).
   TORCH_ARG(std::vector<int64_t>, balance) = {};
-  /// One device per stage (extra ones are ignored). Empty: the available CUDA
+  /// One device per worker, i.e. per stage unless `virtual_stages` > 1
+  /// (extra ones are ignored). Empty: the available CUDA
   /// devices in order, or the CPU for every stage when there is no CUDA
   /// (then `balance` must be given, or the devices, to fix the stage count).
   TORCH_ARG(std::vector<c10::Device>, devices) = {};
@@ -96,6 +122,13 @@ struct PipeOptions {
   /// leave torch's process-wide setting (every stage then uses all of it).
   /// Accelerator stages and the caller's own thread count are never changed.
   TORCH_ARG(int64_t, intra_op_threads) = 0;
+  /// The order `train_step` runs micro-batches in (see gpipe::Schedule).
+  /// 1F1B: GPipe's bubble with at most K micro-batches' activations alive.
+  TORCH_ARG(Schedule, schedule) = Schedule::OneFOneB;
+  /// Stages per device (worker), for `Schedule::Interleaved1F1B`: `balance`
+  /// then has `virtual_stages` x W entries for W devices, and stage s runs
+  /// on `devices[s % W]`. 1: one stage per device.
+  TORCH_ARG(int64_t, virtual_stages) = 1;
 };
 
 }  // namespace gpipe

@@ -9,6 +9,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -77,6 +78,30 @@ class PipeImpl : public torch::nn::Module {
   /// output back: for a last layer returning `std::vector<torch::Tensor>`.
   std::vector<torch::Tensor> forward_tuple(const torch::Tensor& input);
 
+  /// `loss_fn(output, target)` of one micro-batch: a scalar loss,
+  /// mean-reduced over the micro-batch's rows (e.g. `torch::mse_loss`).
+  using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
+  /// The same for several outputs and targets.
+  using TupleLossFn = std::function<torch::Tensor(const std::vector<torch::Tensor>& outputs,
+                                                  const std::vector<torch::Tensor>& targets)>;
+  /// One training step inside the pipeline, in the order of
+  /// `PipeOptions::schedule` (1F1B by default): forward, `loss_fn` and
+  /// backward of every micro-batch. `target` is cut along dim 0 like the
+  /// input; micro-batch i's loss counts rows_i / rows, so the returned loss
+  /// (detached) equals `loss_fn(model(input), target)` and every `.grad`
+  /// gains what `loss_fn(model(input), target).backward()` would add with
+  /// the plain Sequential (zero the grads yourself, as before a backward).
+  /// Checkpointing applies as in `forward` (in training mode). `loss_fn` runs on the last stage's worker. An
+  /// error names the stage, the micro-batch and the phase ("forward",
+  /// "loss", "backward", "input-grad backward", "weight-grad backward",
+  /// "recompute"); the grads of a failed step are partial.
+  torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
+                           const LossFn& loss_fn);
+  /// Several input and target tensors (each cut along dim 0; the inputs
+  /// along `PipeOptions::batch_dim`), several outputs.
+  torch::Tensor train_step_tuple(std::vector<torch::Tensor> inputs,
+                                 std::vector<torch::Tensor> targets, const TupleLossFn& loss_fn);
+
   /// Number of layers.
   size_t size() const noexcept;
   /// The layer at `index`, like `Sequential::ptr`.
@@ -93,7 +118,7 @@ class PipeImpl : public torch::nn::Module {
 
   /// Layers per stage.
   const std::vector<int64_t>& balance() const noexcept { return options_.balance(); }
-  /// One device per stage.
+  /// One device per worker (per stage unless `virtual_stages` > 1).
   const std::vector<c10::Device>& devices() const noexcept { return options_.devices(); }
   /// Micro-batches per mini-batch.
   int64_t chunks() const noexcept { return options_.chunks(); }

@@ -19,9 +19,16 @@ enum class TracePhase : uint8_t {
   Recompute,
   /// A stage moving its input (or grad) from another device.
   Copy,
+  /// train_step: the last stage's loss of a micro-batch and its grad.
+  Loss,
+  /// train_step, zero-bubble: a cell's input grads (I).
+  InputGrad,
+  /// train_step, zero-bubble: a cell's weight grads (W).
+  WeightGrad,
 };
 
-/// "forward", "backward", "recompute" or "copy".
+/// "forward", "backward", "recompute", "copy", "loss", "input_grad" or
+/// "weight_grad".
 const char* to_string(TracePhase phase);
 
 /// How many events a Pipe keeps by default (see `Trace`): the most recent

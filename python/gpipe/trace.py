@@ -39,7 +39,8 @@ DEFAULT_TRACE_CAPACITY: int = _C.DEFAULT_TRACE_CAPACITY
 
 #: Box colours by phase.
 _COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "recompute": "#55A868",
-            "copy": "#8C8C8C"}
+            "copy": "#8C8C8C", "loss": "#937860", "input_grad": "#C44E52",
+            "weight_grad": "#8172B3"}
 
 
 @contextlib.contextmanager

@@ -1,0 +1,371 @@
+// train_step.cpp — one training step inside the pipeline: the plan's tasks on the workers, the loss, the grads into .grad.
+//
+// Unlike forward + loss.backward(), no autograd node links the stages: each
+// task runs its stage's graph itself on its worker thread, the last stage's
+// F runs the loss and its grad right away, and the grads reaching tensors
+// outside the cells (parameters) go straight into `.grad`:
+//
+//   worker of stage s:  F(s,i): receive x -> forward -> send y to s+1
+//                       [last stage: loss_i(y, t_i) * rows_i/rows -> dy]
+//                       B(s,i): receive dy -> [recompute] -> backward -> send dx to s-1,
+//                               parameters' grads into .grad
+//                       I(s,i) / W(s,i): B in two halves (split.h)
+//
+// CUDA deadlock rule (docs/gpu.md): it concerns a Pipe's backward run by an
+// autograd device thread, whose nested backwards need that very thread.
+// Here the workers drive every backward themselves and no autograd device
+// thread is involved (a nested backward on a worker runs its CPU and CUDA
+// nodes on the worker), so the rule does not apply and every stage keeps its
+// worker.
+#include "engine.h"
+
+#include "check.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/full_like.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+namespace gpipe::detail {
+
+namespace {
+
+using torch::autograd::Edge;
+
+// Where the step's grads for tensors outside the cells go, one entry per
+// outside edge, shared by every worker: a hook-free leaf accumulator gets
+// each grad as it arrives (under the entry's lock: a weight tied across
+// stages gets grads from two workers); anything else (a hooked leaf, a
+// non-leaf's grad_fn) gets the step's sum once at the end, as autograd
+// would hand it on.
+class Outside {
+ public:
+  struct Entry {
+    Edge edge;
+    torch::autograd::AccumulateGrad* accumulate = nullptr;
+    std::mutex lock;
+    at::Tensor sum;
+  };
+
+  /// The sinks for `cut`'s external edges, and their entries.
+  std::vector<ExternalSink> sinks(const Cut& cut, std::vector<Entry*>& entries) {
+    std::lock_guard<std::mutex> hold(mutex_);
+    std::vector<ExternalSink> out(cut.externals.size());
+    entries.assign(cut.externals.size(), nullptr);
+    for (size_t e = 0; e < cut.externals.size(); ++e) {
+      const Edge& edge = cut.externals[e];
+      auto& slot = by_edge_[Key(edge.function.get(), edge.input_nr)];
+      if (!slot) {
+        slot = std::make_unique<Entry>();
+        slot->edge = edge;
+        slot->accumulate = plain_accumulator(edge);
+        order_.push_back(slot.get());
+      }
+      entries[e] = slot.get();
+      out[e].wanted = true;
+      out[e].accumulate = slot->accumulate;
+      out[e].lock = &slot->lock;
+    }
+    return out;
+  }
+
+  /// Adds what a cell's backward returned for edges without a plain
+  /// accumulator.
+  static void add(const std::vector<Entry*>& entries, std::vector<at::Tensor>& grads) {
+    for (size_t e = 0; e < grads.size(); ++e) {
+      if (!grads[e].defined()) continue;
+      Entry& entry = *entries[e];
+      std::lock_guard<std::mutex> hold(entry.lock);
+      entry.sum = entry.sum.defined() ? entry.sum + grads[e] : std::move(grads[e]);
+    }
+  }
+
+  const std::vector<Entry*>& entries() const noexcept { return order_; }
+
+ private:
+  using Key = std::pair<const torch::autograd::Node*, uint32_t>;
+  struct Hash {
+    size_t operator()(const Key& key) const noexcept {
+      return std::hash<const void*>()(key.first) * 31 + key.second;
+    }
+  };
+  std::mutex mutex_;
+  std::unordered_map<Key, std::unique_ptr<Entry>, Hash> by_edge_;
+  std::vector<Entry*> order_;
+};
+
+// The micro-batch row counts of a scatter: those of its first cut value
+// (all cut values have the same), or empty when nothing is cut.
+std::vector<int64_t> rows_of(const Scattered& scattered) {
+  for (const auto& cut : scattered.cuts) {
+    if (cut.dim) return cut.sizes;
+  }
+  return {};
+}
+
+std::string listed(const std::vector<int64_t>& values) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t k = 0; k < values.size(); ++k) out << (k ? ", " : "") << values[k];
+  out << "]";
+  return out.str();
+}
+
+int64_t total(const std::vector<int64_t>& values) {
+  int64_t sum = 0;
+  for (int64_t v : values) sum += v;
+  return sum;
+}
+
+}  // namespace
+
+const Plan& Engine::plan(int64_t microbatches) {
+  if (!plan_ || plan_->microbatches != microbatches) {
+    try {
+      Plan made = make_plan(plan_kind_, workers(), virtual_stages_, microbatches);
+      validate(made);
+      plan_ = std::move(made);
+    } catch (const std::invalid_argument& e) {
+      GPIPE_CHECK_VALUE(false, e.what());
+    }
+  }
+  return *plan_;
+}
+
+at::Tensor Engine::train_step(const Batch& input, const Batch& target, const LossFn& loss_fn,
+                              bool training) {
+  Call call(*this, "train_step");
+  GPIPE_CHECK_VALUE(at::GradMode::is_enabled(),
+                    "train_step was called with grad mode off (torch.no_grad() or inference "
+                    "mode); a training step needs grads: call it outside no_grad, or use forward "
+                    "for inference");
+  Scattered scattered = scatter(input, chunks_, input_dims_);
+  Scattered targets = scatter(target, chunks_, BatchDims{0});
+  const auto m = static_cast<int64_t>(scattered.microbatches.size());
+  const auto rows = rows_of(scattered);
+  const auto target_rows = rows_of(targets);
+  GPIPE_CHECK_VALUE(
+      rows.empty() || target_rows.empty() || rows == target_rows,
+      "train_step's target has ", total(target_rows), " rows along dim 0 (cut into ",
+      listed(target_rows), ") but the input has ", total(rows), " along its batch dim (cut into ",
+      listed(rows), "); the target is cut like the input: give one target row per input row");
+  GPIPE_CHECK_VALUE(static_cast<int64_t>(targets.microbatches.size()) == m || target_rows.empty(),
+                    "train_step's target makes ", targets.microbatches.size(),
+                    " micro-batches but the input ", m, "; give one target row per input row");
+  const int64_t s_count = stages();
+  const Plan& plan = this->plan(m);
+
+  // Micro-batch i's loss counts rows_i / rows of the whole batch's mean.
+  std::vector<double> scale(static_cast<size_t>(m), 1.0 / static_cast<double>(m));
+  if (!rows.empty() && total(rows) > 0) {
+    for (int64_t i = 0; i < m; ++i) {
+      scale[static_cast<size_t>(i)] = static_cast<double>(rows[static_cast<size_t>(i)]) /
+                                      static_cast<double>(total(rows));
+    }
+  }
+
+  const int64_t step = tracer_.enabled() ? tracer_.next_step() : 0;
+  const int64_t stop = training ? checkpointed_microbatches(checkpoint_, m) : 0;
+  const at::ThreadLocalState forward_state;
+
+  // As in forward: each micro-batch counts its versions on its own.
+  const auto ready = from_current_streams(input).ready;
+  std::vector<Payload> sources;
+  sources.reserve(static_cast<size_t>(m));
+  for (auto& mb : scattered.microbatches) {
+    if (m > 1) {
+      for (auto& t : mb.values) {
+        if (!t.defined()) continue;
+        auto own = t.variable_data();
+        if (t.requires_grad()) own.requires_grad_(true);
+        t = std::move(own);
+      }
+    }
+    sources.push_back(Payload{std::move(mb), ready});
+  }
+  const auto target_ready = from_current_streams(target).ready;
+  // Where the caller's input needs a grad, stage 0 passes one back.
+  std::vector<bool> input_wanted(input.size(), false);
+  for (size_t v = 0; v < input.size(); ++v) {
+    input_wanted[v] = input[v].defined() && input[v].requires_grad();
+  }
+
+  std::vector<std::vector<Cell>> cells(static_cast<size_t>(s_count),
+                                       std::vector<Cell>(static_cast<size_t>(m)));
+  std::vector<Batch> output_grads(static_cast<size_t>(m));
+  std::vector<at::Tensor> losses(static_cast<size_t>(m));
+  std::vector<Payload> input_grads(static_cast<size_t>(m));
+  Outside outside;
+  Mailboxes mail(s_count, m);
+
+  const TaskFn task = [&](const Task& t, const char*& phase) {
+    const int64_t s = t.stage;
+    const int64_t i = t.microbatch;
+    Stage& stage = *stages_[static_cast<size_t>(s)];
+    const Lane& lane = stage.lane();
+    auto guard = on_compute_stream(stage);
+    Cell& cell = cells[static_cast<size_t>(s)][static_cast<size_t>(i)];
+    if (t.op == Op::F) {
+      std::optional<Payload> in;
+      if (s == 0) {
+        in = std::move(sources[static_cast<size_t>(i)]);
+      } else {
+        in = mail.receive({s, Flow::Activation, i});
+      }
+      if (!in) return;  // cancelled
+      Batch x = receive_traced(std::move(*in), lane, tracer_, step, s, i);
+      Span span(tracer_, step, s, i, TracePhase::Forward, lane.compute);
+      Batch y = stage.forward(cell, x, i < stop, stop > 0);
+      span.finish();
+      if (s + 1 < s_count) {
+        mail.send({s + 1, Flow::Activation, i}, Payload{std::move(y), mark(lane.compute)});
+        return;
+      }
+      phase = "loss";
+      Span loss_span(tracer_, step, s, i, TracePhase::Loss, lane.compute);
+      Batch target_i =
+          receive(Payload{std::move(targets.microbatches[static_cast<size_t>(i)]), target_ready},
+                  lane);
+      at::Tensor loss = loss_fn(y, target_i);
+      TORCH_CHECK(loss.defined() && loss.numel() == 1, "loss_fn returned ",
+                  loss.defined() ? "a tensor of shape " + listed(loss.sizes().vec())
+                                 : std::string("an undefined tensor"),
+                  " for micro-batch ", i,
+                  "; it must return the micro-batch's loss as one number, mean-reduced over its "
+                  "rows (e.g. torch::mse_loss(output, target))");
+      TORCH_CHECK(loss.requires_grad(), "the loss of micro-batch ", i,
+                  " does not require grad: nothing before it needs a grad (every parameter "
+                  "frozen?), or loss_fn detached the output");
+      losses[static_cast<size_t>(i)] = loss.detach();
+      // The loss's own graph runs backward here, down to the stage's
+      // outputs (leaves: their grads are the last stage's B input) and
+      // whatever else the loss reached (the target, a loss's parameters).
+      torch::autograd::Engine::get_default_engine().execute(
+          {torch::autograd::impl::gradient_edge(loss)},
+          {at::full_like(loss, scale[static_cast<size_t>(i)])}, /*keep_graph=*/false,
+          /*create_graph=*/false, /*accumulate_grad=*/true, /*outputs=*/{});
+      Batch dy;
+      dy.atomic = y.atomic;
+      for (const auto& v : y.values) dy.values.push_back(v.defined() ? v.grad() : at::Tensor());
+      output_grads[static_cast<size_t>(i)] = std::move(dy);
+      loss_span.finish();
+      return;
+    }
+    std::vector<Outside::Entry*> entries;
+    std::vector<at::Tensor> external_grads;
+    if (t.op == Op::W) {
+      auto sinks = outside.sinks(cell.cut, entries);
+      Span span(tracer_, step, s, i, TracePhase::WeightGrad, lane.compute);
+      stage.backward_weight(cell, sinks, external_grads);
+      Outside::add(entries, external_grads);
+      span.finish();
+      return;
+    }
+    // B or I.
+    Batch dy;
+    if (s + 1 == s_count) {
+      dy = std::move(output_grads[static_cast<size_t>(i)]);
+    } else {
+      auto in = mail.receive({s, Flow::Grad, i});
+      if (!in) return;  // cancelled
+      dy = receive_traced(std::move(*in), lane, tracer_, step, s, i);
+    }
+    const char* name = phase;
+    if (cell.checkpointed) {
+      phase = "recompute";
+      Span span(tracer_, step, s, i, TracePhase::Recompute, lane.compute);
+      stage.recompute(cell, forward_state);
+      span.finish();
+      phase = name;
+    }
+    const size_t values = cell.leaves.size();
+    std::vector<bool> wanted(values, true);
+    if (s == 0) {
+      for (size_t v = 0; v < values; ++v) wanted[v] = v < input_wanted.size() && input_wanted[v];
+    }
+    auto sinks = outside.sinks(cell.cut, entries);
+    Batch dx;
+    {
+      Span span(tracer_, step, s, i,
+                t.op == Op::B ? TracePhase::Backward : TracePhase::InputGrad, lane.compute);
+      dx = t.op == Op::B
+               ? stage.backward(cell, dy, /*keep_graph=*/false, wanted, sinks, external_grads)
+               : stage.backward_input(cell, dy, wanted, sinks, external_grads);
+      Outside::add(entries, external_grads);
+      span.finish();
+    }
+    Payload out{std::move(dx), mark(lane.compute)};
+    if (s > 0) {
+      mail.send({s - 1, Flow::Grad, i}, std::move(out));
+    } else {
+      input_grads[static_cast<size_t>(i)] = std::move(out);
+    }
+  };
+
+  const auto lanes = this->lanes();
+  wait_for_current_streams(lanes);
+  try {
+    executor_.run_plan(plan, task, mail, forward_state);
+  } catch (const CellError& e) {
+    current_streams_wait_for(lanes);
+    if (error_hook_) error_hook_(e);
+    throw;
+  } catch (...) {
+    current_streams_wait_for(lanes);
+    throw;
+  }
+  current_streams_wait_for(lanes);
+
+  // What leaves the pipeline at its ends goes on as autograd would: the
+  // input's grad into the caller's input (its .grad, or its graph), the
+  // sums for hooked leaves and non-leaf outside tensors to their nodes.
+  torch::autograd::edge_list roots;
+  std::vector<at::Tensor> root_grads;
+  bool any_input_grad = false;
+  for (bool w : input_wanted) any_input_grad = any_input_grad || w;
+  if (any_input_grad) {
+    std::vector<Batch> parts;
+    parts.reserve(input_grads.size());
+    for (auto& p : input_grads) parts.push_back(settle(std::move(p)));
+    for (size_t v = 0; v < input.size(); ++v) {
+      if (!input_wanted[v]) continue;
+      std::vector<at::Tensor> per_microbatch;
+      for (const auto& p : parts) per_microbatch.push_back(v < p.size() ? p[v] : at::Tensor());
+      at::Tensor grad = join_grads(per_microbatch, scattered.cuts[v]);
+      if (!grad.defined()) continue;
+      if (grad.device() != input[v].device()) grad = grad.to(input[v].device());
+      roots.push_back(torch::autograd::impl::gradient_edge(input[v]));
+      root_grads.push_back(std::move(grad));
+    }
+  }
+  for (auto* entry : outside.entries()) {
+    if (entry->accumulate != nullptr || !entry->sum.defined()) continue;
+    roots.push_back(entry->edge);
+    root_grads.push_back(std::move(entry->sum));
+  }
+  if (!roots.empty()) {
+    torch::autograd::Engine::get_default_engine().execute(roots, root_grads, /*keep_graph=*/false,
+                                                          /*create_graph=*/false,
+                                                          /*accumulate_grad=*/true, {});
+  }
+
+  at::NoGradGuard plain;
+  at::Tensor loss;
+  for (int64_t i = 0; i < m; ++i) {
+    const at::Tensor term = losses[static_cast<size_t>(i)] * scale[static_cast<size_t>(i)];
+    loss = loss.defined() ? loss + term : term;
+  }
+  return loss;
+}
+
+}  // namespace gpipe::detail
