@@ -9,6 +9,7 @@
 #include <gpipe/trace.h>
 
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
@@ -56,10 +57,20 @@ void reraise_python(const gpipe::CellError& error) {
   }
 }
 
+detail::PlanKind parse_schedule(const std::string& name) {
+  if (name == "gpipe") return detail::PlanKind::GPipe;
+  if (name == "1f1b") return detail::PlanKind::OneFOneB;
+  if (name == "interleaved_1f1b") return detail::PlanKind::Interleaved1F1B;
+  if (name == "zb_h1") return detail::PlanKind::ZBH1;
+  throw py::value_error("schedule is not one of 'gpipe', '1f1b', 'interleaved_1f1b' or 'zb_h1', "
+                        "got '" + name + "'");
+}
+
 class PyEngine {
  public:
   PyEngine(const py::list& partitions, const std::vector<c10::Device>& devices, int64_t chunks,
-           const std::string& checkpoint, int64_t intra_op_threads) {
+           const std::string& checkpoint, int64_t intra_op_threads, int64_t virtual_stages,
+           const std::string& schedule) {
     std::vector<std::unique_ptr<detail::Layers>> stages;
     for (size_t j = 0; j < partitions.size(); ++j) {
       stages.push_back(std::make_unique<PyLayers>(
@@ -69,8 +80,11 @@ class PyEngine {
     TORCH_CHECK(devices.size() >= stages.size(), "got ", devices.size(), " devices for ",
                 stages.size(), " stages");
     TORCH_CHECK(chunks >= 1, "chunks must be at least 1, got ", chunks);
+    TORCH_CHECK(virtual_stages >= 1 && stages.size() % static_cast<size_t>(virtual_stages) == 0,
+                "got ", stages.size(), " stages for virtual_stages ", virtual_stages);
     engine_ = std::make_shared<detail::Engine>(std::move(stages), devices, chunks,
-                                               parse_checkpoint(checkpoint), intra_op_threads);
+                                               parse_checkpoint(checkpoint), intra_op_threads,
+                                               virtual_stages, parse_schedule(schedule));
     engine_->set_error_hook(reraise_python);
   }
 
@@ -82,6 +96,26 @@ class PyEngine {
       out = engine_->forward(batch, training);
     }
     return to_python(out);
+  }
+
+  at::Tensor train_step(py::handle input, py::handle target, const py::function& loss_fn,
+                        bool training) {
+    detail::Batch batch = to_batch(input, "input");
+    detail::Batch targets = to_batch(target, "target");
+    // Called on the last stage's worker: takes the GIL for the call only.
+    const detail::LossFn fn = [&loss_fn](const detail::Batch& out, const detail::Batch& t) {
+      py::gil_scoped_acquire gil;
+      py::object loss = loss_fn(to_python(out), to_python(t));
+      if (!THPVariable_Check(loss.ptr())) {
+        const std::string type = py::str(py::type::of(loss).attr("__name__"));
+        PyErr_SetString(PyExc_TypeError,
+                        ("loss_fn must return a tensor (the micro-batch's loss), got " + type).c_str());
+        throw py::error_already_set();
+      }
+      return THPVariable_Unpack(loss.ptr());
+    };
+    py::gil_scoped_release no_gil;  // the workers take it to call the layers
+    return engine_->train_step(batch, targets, fn, training);
   }
 
   void set_batch_dims(detail::BatchDims input, detail::BatchDims output) {
@@ -127,13 +161,21 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<PyEngine>(m, "Engine", "Runs stages of Python modules as a GPipe pipeline.")
       .def(py::init<const py::list&, const std::vector<c10::Device>&, int64_t,
-                    const std::string&, int64_t>(),
+                    const std::string&, int64_t, int64_t, const std::string&>(),
            py::arg("partitions"), py::arg("devices"), py::arg("chunks"), py::arg("checkpoint"),
-           py::arg("intra_op_threads") = 0,
+           py::arg("intra_op_threads") = 0, py::arg("virtual_stages") = 1,
+           py::arg("schedule") = "1f1b",
            R"doc(partitions: one list of modules per stage; devices: one per stage;
 chunks: micro-batches per mini-batch; checkpoint: 'always', 'except_last' or 'never';
-intra_op_threads: 0 splits this thread's torch.get_num_threads() between the CPU stages,
-N > 0 gives each CPU stage N, -1 leaves torch's setting.)doc")
+intra_op_threads: 0 splits this thread's torch.get_num_threads() between the CPU workers,
+N > 0 gives each CPU worker N, -1 leaves torch's setting; virtual_stages: stages per worker
+(stage s runs on worker s % workers); schedule: train_step's order, 'gpipe', '1f1b',
+'interleaved_1f1b' or 'zb_h1'.)doc")
+      .def("train_step", &PyEngine::train_step, py::arg("input"), py::arg("target"),
+           py::arg("loss_fn"), py::arg("training"),
+           R"doc(One training step inside the pipeline: forward, loss_fn(output, target) per
+micro-batch (scaled by its share of the rows), backward, in the schedule's order; returns the
+batch's loss, detached.)doc")
       .def_property_readonly(
           "intra_op_threads", [](const PyEngine& e) { return e.intra_op_threads(); },
           "Each stage worker's intra-op thread count as set (0: left to torch).")
@@ -175,7 +217,8 @@ device ran the work, not when the host queued it), placed on the host timeline.)
       .def_property_readonly(
           "phase", [](const gpipe::TraceEvent& e) { return std::string(gpipe::to_string(e.phase)); },
           "'forward', 'backward', 'recompute' (a checkpointed cell's forward again, just "
-          "before its backward) or 'copy'.")
+          "before its backward), 'copy', and under train_step 'loss' (the last stage's loss "
+          "and its grad), 'input_grad' and 'weight_grad' (zero-bubble's halves of a backward).")
       .def_readonly("start_us", &gpipe::TraceEvent::start_us,
                     "When it started, in microseconds since the Pipe was built.")
       .def_readonly("end_us", &gpipe::TraceEvent::end_us,

@@ -1,5 +1,5 @@
 """Type stubs for gpipe._C, the private C++ engine (use gpipe.Pipe)."""
-from typing import List, Sequence, Tuple, Union
+from typing import Callable, List, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -8,9 +8,13 @@ class Engine:
     """Runs stages of Python modules as a GPipe pipeline."""
 
     def __init__(self, partitions: Sequence[Sequence[nn.Module]], devices: Sequence[torch.device],
-                 chunks: int, checkpoint: str) -> None: ...
+                 chunks: int, checkpoint: str, intra_op_threads: int = ...,
+                 virtual_stages: int = ..., schedule: str = ...) -> None: ...
     def forward(self, input: Union[Tensor, Tuple[Tensor, ...]],
                 training: bool) -> Union[Tensor, Tuple[Tensor, ...]]: ...
+    def train_step(self, input: Union[Tensor, Tuple[Tensor, ...]],
+                   target: Union[Tensor, Tuple[Tensor, ...]], loss_fn: Callable[..., Tensor],
+                   training: bool) -> Tensor: ...
     tracing: bool
     def trace(self) -> "Trace": ...
     def clear_trace(self) -> None: ...
@@ -22,7 +26,7 @@ class TraceEvent:
     step: int
     stage: int
     microbatch: int
-    phase: str  # 'forward', 'backward', 'recompute' or 'copy'
+    phase: str  # 'forward', 'backward', 'recompute', 'copy', 'loss', 'input_grad', 'weight_grad'
     start_us: float
     end_us: float
     thread: int

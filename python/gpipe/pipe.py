@@ -2,7 +2,8 @@
 import operator
 import warnings
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple,
+                    Union)
 
 import torch
 from torch import Tensor, nn
@@ -80,6 +81,17 @@ def _parse_checkpoint(checkpoint: Any) -> str:
         raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', got "
                          f"{mode!r}")
     return mode
+
+
+_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+
+
+def _parse_schedule(schedule: Any) -> str:
+    name = str(schedule)
+    if name not in _SCHEDULES:
+        raise ValueError(f"schedule is not one of 'gpipe', '1f1b', 'interleaved_1f1b' or "
+                         f"'zb_h1', got {name!r}")
+    return name
 
 
 def _parse_balance(balance: Any) -> List[int]:
@@ -181,17 +193,17 @@ def _batch_dims(value: Any, name: str) -> List[Optional[int]]:
     return [one(value)]
 
 
-def _check_input(input: Any) -> None:
+def _check_input(input: Any, what: str = "input") -> None:
     if isinstance(input, tuple):
         for i, x in enumerate(input):
             if not isinstance(x, Tensor):
-                raise TypeError(f"expected Tensor or Tuple[Tensor, ...] as input, but element "
+                raise TypeError(f"expected Tensor or Tuple[Tensor, ...] as {what}, but element "
                                 f"{i} of the tuple is {type(x).__name__}")
         if not input:
-            raise TypeError("expected Tensor or Tuple[Tensor, ...] as input, but got an empty "
+            raise TypeError(f"expected Tensor or Tuple[Tensor, ...] as {what}, but got an empty "
                             "tuple")
     elif not isinstance(input, Tensor):
-        raise TypeError(f"expected Tensor or Tuple[Tensor, ...] as input, but got "
+        raise TypeError(f"expected Tensor or Tuple[Tensor, ...] as {what}, but got "
                         f"{type(input).__name__}")
 
 
@@ -286,6 +298,18 @@ class Pipe(nn.Module):
             oversubscribe the cores; N > 0: N per CPU stage; -1: leave
             torch's setting (every stage then uses all of it). The caller's
             own count is never changed; GPU stages are left alone.
+        schedule: the order :meth:`train_step` runs micro-batches in
+            (``forward`` always runs GPipe's): ``'1f1b'`` (default; GPipe's
+            bubble, at most K micro-batches' activations per stage instead of
+            M), ``'gpipe'`` (every forward, then every backward),
+            ``'interleaved_1f1b'`` (Megatron-LM's, with ``virtual_stages``
+            stages per device: a bubble v times smaller, more hand-offs) or
+            ``'zb_h1'`` (zero bubble: each backward split into input grads and
+            weight grads, the weight halves filling the drain; about a third
+            of 1F1B's bubble at 1F1B's peak memory).
+        virtual_stages: stages per device for ``'interleaved_1f1b'``: then
+            ``balance`` has ``virtual_stages`` x W entries for W devices and
+            stage s runs on ``devices[s % W]``. 1 (default): one per device.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``; ``balance`` is not
@@ -334,7 +358,8 @@ class Pipe(nn.Module):
                  devices: Optional[Union[Iterable[Device], Device]] = None, chunks: int = 1,
                  checkpoint: str = "except_last", batch_dim: BatchDim = 0,
                  output_batch_dim: Optional[BatchDim] = None, deferred_batch_norm: bool = False,
-                 trace: bool = False, intra_op_threads: int = 0) -> None:
+                 trace: bool = False, intra_op_threads: int = 0, schedule: str = "1f1b",
+                 virtual_stages: int = 1) -> None:
         """Cuts ``module`` into ``balance`` stages on ``devices`` and starts one
         worker per stage; ``chunks`` micro-batches per mini-batch (cut along
         dim 0 by default), ``checkpoint`` mode, ``deferred_batch_norm`` and
@@ -346,6 +371,16 @@ class Pipe(nn.Module):
                             f"{type(module).__name__}")
         chunks = _parse_chunks(chunks)
         checkpoint = _parse_checkpoint(checkpoint)
+        schedule = _parse_schedule(schedule)
+        virtual_stages = _as_int(virtual_stages, "virtual_stages",
+                                 "pass the number of stages per device, e.g. virtual_stages=2")
+        if virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be at least 1, got {virtual_stages}; it is the "
+                             f"number of stages per device")
+        if virtual_stages != 1 and schedule != "interleaved_1f1b":
+            raise ValueError(f"virtual_stages is {virtual_stages} but schedule {schedule!r} runs "
+                             f"one stage per device; use schedule='interleaved_1f1b', or "
+                             f"virtual_stages=1")
         input_dims = _batch_dims(batch_dim, "batch_dim")
         output_dims = [] if output_batch_dim is None else _batch_dims(output_batch_dim,
                                                                       "output_batch_dim")
@@ -365,33 +400,44 @@ class Pipe(nn.Module):
                                  "by; pass balance (layers per stage, see gpipe.balance to "
                                  "compute one) or devices (one per stage, e.g. ['cpu', 'cpu'])")
             devices = list(devices)  # type: ignore[arg-type]
-            balance = balance_by_params(min(len(devices), len(module)), module)
+            workers = min(len(devices), max(len(module) // virtual_stages, 1))
+            balance = balance_by_params(workers * virtual_stages, module)
         balance = _parse_balance(balance)
         _check_balance(module, balance)
         _check_distinct(module)
+        if len(balance) % virtual_stages != 0:
+            raise ValueError(f"balance {balance} has {len(balance)} stages, not a multiple of "
+                             f"virtual_stages {virtual_stages}; give virtual_stages entries per "
+                             f"device")
+        workers = len(balance) // virtual_stages
 
         if single is not None:
-            devices = [single] * len(balance)
+            devices = [single] * workers
         elif devices is None:
             if torch.cuda.is_available():
                 devices = range(torch.cuda.device_count())
             else:
-                devices = ["cpu"] * len(balance)
+                devices = ["cpu"] * workers
         devices = [_device(d, f"devices[{i}]")
                    for i, d in enumerate(devices)]  # type: ignore[union-attr, arg-type]
-        if len(devices) < len(balance):
+        if len(devices) < workers:
+            per = "stage" if virtual_stages == 1 else f"{virtual_stages} stages"
             raise IndexError(f"too few devices to hold given partitions: got "
                              f"{_count(len(devices), 'device')} for "
                              f"{_count(len(balance), 'stage')}; pass one "
-                             f"device per stage, e.g. devices={['cpu'] * len(balance)!r}, or "
+                             f"device per {per}, e.g. devices={['cpu'] * workers!r}, or "
                              f"one device for every stage, e.g. devices='cpu'")
-        devices = devices[:len(balance)]
+        devices = devices[:workers]
         _check_available(devices)
 
         self.balance = balance
         self.devices = devices
         self.chunks = chunks
         self.checkpoint = checkpoint
+        #: The order :meth:`train_step` runs micro-batches in.
+        self.schedule = schedule
+        #: Stages per device (interleaved_1f1b): stage s runs on devices[s % len(devices)].
+        self.virtual_stages = virtual_stages
         #: Intra-op threads per CPU stage: 0 split, N each, -1 torch's setting.
         self.intra_op_threads = _as_int(intra_op_threads, "intra_op_threads",
                                         "pass 0 (split the cores), N or -1")
@@ -414,7 +460,11 @@ class Pipe(nn.Module):
 
     def _stage_devices(self) -> List[torch.device]:
         """Each layer's device, in order."""
-        return [d for n, d in zip(self.balance, self.devices) for _ in range(n)]
+        return [d for n, d in zip(self.balance, self._per_stage_devices()) for _ in range(n)]
+
+    def _per_stage_devices(self) -> List[torch.device]:
+        """Each stage's device: stage s runs on devices[s % len(devices)]."""
+        return [self.devices[s % len(self.devices)] for s in range(len(self.balance))]
 
     def _partitions(self) -> List[List[nn.Module]]:
         """Each stage's layers, in order."""
@@ -428,9 +478,10 @@ class Pipe(nn.Module):
         """Starts the C++ engine over the stages: the one place it is built, from
         the Pipe's attributes (construction, copies, unpickling and compile())."""
         parts = self._partitions() if self._stages is None else [[s] for s in self._stages]
-        self._engine = (_C.Engine(parts, self.devices, self.chunks, self.checkpoint,
-                                  intra_op_threads=self.intra_op_threads) if parts
-                        else _NoStages())
+        self._engine = (_C.Engine(parts, self._per_stage_devices(), self.chunks,
+                                  self.checkpoint, intra_op_threads=self.intra_op_threads,
+                                  virtual_stages=self.virtual_stages, schedule=self.schedule)
+                        if parts else _NoStages())
         self._engine.set_batch_dims(*self._batch_dims)
         self._engine.tracing = bool(trace)
 
@@ -588,9 +639,57 @@ class Pipe(nn.Module):
                 bn.begin(microbatches)
         return self._engine.forward(input, self.training)
 
+    def train_step(self, input: TensorOrTensors, target: TensorOrTensors,
+                   loss_fn: Callable[[TensorOrTensors, TensorOrTensors], Tensor]) -> Tensor:
+        """One training step inside the pipeline, in the order of ``schedule``:
+        the forward of every micro-batch, ``loss_fn(output, target)`` on the
+        last stage right after its forward, and the backward, interleaved as
+        the schedule says (1F1B by default; see the class docstring).
+
+        ``target`` (a tensor or a tuple of tensors) is cut along dim 0 like the
+        input; ``loss_fn`` gets one micro-batch's output and target and returns
+        its loss as one number, mean-reduced over its rows (e.g.
+        ``nn.functional.mse_loss``). Micro-batch i's loss counts rows_i / rows,
+        so the returned loss (detached) equals ``loss_fn(model(input),
+        target)`` and every ``.grad`` gains what ``loss_fn(model(input),
+        target).backward()`` gives with the plain Sequential, also for
+        uneven micro-batches. Grads accumulate like a backward does: zero
+        them yourself. Checkpointing applies as in :meth:`forward`.
+
+        ``loss_fn`` runs on the last stage's worker thread. An error (in a
+        layer, in ``loss_fn``) is raised as itself with a note naming the
+        stage, micro-batch and phase ('forward', 'loss', 'backward',
+        'input-grad backward', 'weight-grad backward' or 'recompute'); the
+        grads of a failed step are partial, and the Pipe works on the next.
+
+        Example::
+
+            pipe = gpipe.Pipe(model, balance=[2, 2], chunks=8, schedule='zb_h1')
+            opt.zero_grad()
+            loss = pipe.train_step(x, y, nn.functional.cross_entropy)
+            opt.step()
+        """
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got "
+                            f"{loss_fn!r}")
+        _check_input(input)
+        _check_input(target, "target")
+        if isinstance(self._engine, _NoStages):
+            loss = loss_fn(input, target)
+            loss.backward()
+            return loss.detach()
+        if self._deferred and self.training:
+            microbatches = self._engine.microbatches(input)
+            for bn in self._deferred:
+                bn.begin(microbatches)
+        return self._engine.train_step(input, target, loss_fn, self.training)
+
     def extra_repr(self) -> str:
         text = (f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "
-                f"chunks={self.chunks}, checkpoint={self.checkpoint!r}")
+                f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
+                f"schedule={self.schedule!r}")
+        if self.virtual_stages != 1:
+            text += f", virtual_stages={self.virtual_stages}"
         if self.batch_dim != 0:
             text += f", batch_dim={self.batch_dim!r}"
         if self.output_batch_dim is not None:
