@@ -401,3 +401,29 @@ TEST_CASE("train_step: a failure in F, B, I, W or the loss names its cell, and t
     }
   }
 }
+
+TEST_CASE("train_step: virtual stages also serve forward and loss.backward()", "[train_step]") {
+  for (int64_t v : {2, 3}) {
+    INFO("virtual_stages " << v);
+    auto model = inplace_mlp(9);
+    auto ref = deep_copy(model);
+    const int64_t workers = 6 / v;
+    gpipe::Pipe pipe(model, gpipe::PipeOptions()
+                                .balance({1, 1, 1, 1, 1, 1})
+                                .devices(std::vector<c10::Device>(static_cast<size_t>(workers),
+                                                                  torch::kCPU))
+                                .chunks(4)
+                                .schedule(Schedule::Interleaved1F1B)
+                                .virtual_stages(v));
+    CHECK(pipe->devices().size() == static_cast<size_t>(workers));
+    auto x = randn64({7, 4}).requires_grad_(true);
+    auto x_ref = x.detach().clone().requires_grad_(true);
+    auto out = pipe->forward(x);
+    auto want = ref->forward(x_ref);
+    CHECK(max_abs_diff(out, want) <= kTolerance);
+    out.pow(2).sum().backward();
+    want.pow(2).sum().backward();
+    check_param_grads(*pipe, *ref);
+    CHECK(max_abs_diff(x.grad(), x_ref.grad()) <= kTolerance);
+  }
+}
