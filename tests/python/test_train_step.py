@@ -234,6 +234,27 @@ def test_batch_dim_1_input_with_a_target_cut_along_dim_0(config):
                        batch_dim=1, schedule=SCHEDULES[config][0])
 
 
+@pytest.mark.parametrize("config", ["1f1b", "zb_h1"])
+def test_eval_mode_step_equals_plain_eval(config):
+    """pipe.eval(): dropout is off and nothing is checkpointed (no recompute); the step
+    still fills the grads."""
+    model = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 8),
+                          nn.Dropout(0.5), nn.Linear(8, 3)).double()
+    ref = copy.deepcopy(model).eval()
+    pipe = gpipe.Pipe(model, chunks=3, checkpoint="always",
+                      **pipe_options(config, SIX_BALANCE)).eval()
+    x, y = mlp_data(7)
+    x_pipe = leaf_copy(x)
+    with gpipe.tracing(pipe) as trace:
+        got = result(lambda: pipe.train_step(x_pipe, y, F.mse_loss))
+    want = F.mse_loss(ref(x), y)
+    want.backward()
+    assert_close(got, want.detach(), what="loss")
+    assert_close(x_pipe.grad, x.grad, what="input grad")
+    assert_same_grads(pipe, ref)
+    assert "recompute" not in {e.phase for e in trace.events}
+
+
 # -- 2. accumulation and an optimizer loop -----------------------------------------------------
 
 @pytest.mark.parametrize("config", list(SCHEDULES))
@@ -406,8 +427,9 @@ class _RaiseInGrad(torch.autograd.Function):
 
 class Fail(nn.Module):
     """x * w that raises ``error`` on micro-batch ``microbatch`` (None: every one) while
-    armed: in forward, in the backward on the input path (x's grad), or in the backward on
-    the weight path only (w's grad: under zb_h1 that runs in W, never in I).
+    armed: in forward, in the backward on the input path (x's grad), in the backward on
+    the weight path only (w's grad: under zb_h1 that runs in W, never in I), or in every
+    recompute.
 
     A micro-batch is known by the order of first forwards (recomputes are not counted):
     a stage runs its forwards in micro-batch order under every schedule."""
@@ -424,6 +446,8 @@ class Fail(nn.Module):
             i, self.forwards = self.forwards, self.forwards + 1
         hit = self.armed and (self.microbatch is None or i == self.microbatch)
         if hit and self.where == "forward":
+            raise self.error
+        if self.armed and self.where == "recompute" and gpipe.is_recomputing():
             raise self.error
         x = _RaiseInGrad.apply(x, self, hit and self.where == "input")
         w = _RaiseInGrad.apply(self.w, self, hit and self.where == "weight")
@@ -501,6 +525,17 @@ def test_backward_error_under_recompute(config):
     assert raised is err, repr(raised)
     phase = "input-grad backward" if config == "zb_h1" else "backward"
     assert_note(raised, stage_of(3, options["balance"]), None, phase)
+
+
+@pytest.mark.parametrize("config", list(SCHEDULES))
+def test_recompute_error_names_its_phase(config):
+    err = MyError("boom in recompute")
+    options = pipe_options(config, SIX_BALANCE)
+    model = failing_model(Fail("recompute", None, err))
+    pipe = gpipe.Pipe(model, chunks=4, checkpoint="always", **options)
+    raised = fail_and_recover(pipe, copy.deepcopy(model), *failure_data())
+    assert raised is err, repr(raised)
+    assert_note(raised, stage_of(3, options["balance"]), None, "recompute")
 
 
 @pytest.mark.parametrize("at", [0, 3, 5], ids=["stage-0", "middle", "last-stage"])
