@@ -1,6 +1,8 @@
 // microbatch.cpp — scatter along each value's batch dim into near-equal pieces, gather by concatenation, grads alike.
 #include "microbatch.h"
 
+#include <string>
+
 #include "check.h"
 
 #include <ATen/ops/add.h>
@@ -44,33 +46,38 @@ std::vector<int64_t> microbatch_sizes(int64_t rows, int64_t chunks) {
   return sizes;
 }
 
-Scattered scatter(const Batch& batch, int64_t chunks, const BatchDims& dims) {
+Scattered scatter(const Batch& batch, int64_t chunks, const BatchDims& dims, const char* what) {
   GPIPE_CHECK_VALUE(chunks >= 1, "chunks must be at least 1, got ", chunks);
-  GPIPE_CHECK_VALUE(!batch.values.empty(), "the Pipe got no input tensors; pass at least one");
+  const bool input = std::string(what) == "input";
+  GPIPE_CHECK_VALUE(!batch.values.empty(), "the Pipe got no ", what, " tensors; pass at least one");
   Scattered out;
   out.cuts.resize(batch.size());
   int64_t rows = -1;
   size_t first = 0;
   for (size_t v = 0; v < batch.size(); ++v) {
     const auto& t = batch[v];
-    GPIPE_CHECK_VALUE(t.defined(), "input ", v, " is an undefined tensor");
-    const auto dim = entry(dims, v, batch.size(), "input", "batch_dim");
+    GPIPE_CHECK_VALUE(t.defined(), what, " ", v, " is an undefined tensor");
+    const auto dim = entry(dims, v, batch.size(), what, "batch_dim");
     if (!dim) continue;  // shared by every micro-batch
     if (t.dim() == 0) {
-      GPIPE_CHECK_VALUE(chunks == 1, "input ", v, " is 0-dimensional, so it has no batch "
-                        "dimension to cut into ", chunks, " micro-batches; mark it not cut "
-                        "(batch_dim entry None, std::nullopt in C++) or use chunks=1");
+      GPIPE_CHECK_VALUE(chunks == 1, what, " ", v, " is 0-dimensional, so it has no batch "
+                        "dimension to cut into ", chunks, " micro-batches; ",
+                        input ? "mark it not cut (batch_dim entry None, std::nullopt in C++) or "
+                                "use chunks=1"
+                              : "give one target row per input row (targets are cut along dim "
+                                "0), or use chunks=1");
       continue;
     }
-    const int64_t d = resolved(*dim, t, "batch_dim", "input", v);
+    const int64_t d = resolved(*dim, t, "batch_dim", what, v);
     out.cuts[v].dim = d;
     if (rows < 0) {
       rows = t.size(d);
       first = v;
     }
-    GPIPE_CHECK_VALUE(t.size(d) == rows, "input ", v, " has ", t.size(d), " rows along dim ", d,
-                      " but input ", first, " has ", rows, " along dim ", *out.cuts[first].dim,
-                      "; every cut input needs the same batch size (see batch_dim)");
+    GPIPE_CHECK_VALUE(t.size(d) == rows, what, " ", v, " has ", t.size(d), " rows along dim ", d,
+                      " but ", what, " ", first, " has ", rows, " along dim ",
+                      *out.cuts[first].dim, "; every cut ", what, " needs the same batch size ",
+                      input ? "(see batch_dim)" : "(targets are cut along dim 0, like the input)");
   }
   const auto sizes = rows < 0 ? std::vector<int64_t>{} : microbatch_sizes(rows, chunks);
   for (auto& cut : out.cuts) {

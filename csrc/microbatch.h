@@ -54,7 +54,9 @@ std::vector<int64_t> microbatch_sizes(int64_t rows, int64_t chunks);
 /// cut values into the same sizes (see `microbatch_sizes`), so they must
 /// agree on the rows there. With chunks == 1, or a 0-dimensional value and
 /// chunks == 1, nothing is cut and the batch is its only micro-batch.
-Scattered scatter(const Batch& batch, int64_t chunks, const BatchDims& dims = {0});
+/// `what` names the batch in errors ("input", "target").
+Scattered scatter(const Batch& batch, int64_t chunks, const BatchDims& dims = {0},
+                  const char* what = "input");
 
 /// Joins the micro-batches' outputs, value by value: along its dim in
 /// `dims` (each value keeps its own sizes, so outputs may have other row

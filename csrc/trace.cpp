@@ -135,8 +135,18 @@ TraceSummary Trace::summary() const {
   s.steps = static_cast<int64_t>(microbatches.size());
   double busy = 0;
   for (double b : s.busy_us) busy += b;
-  if (s.stages > 0 && s.span_us > 0) {
-    s.bubble = 1.0 - busy / (static_cast<double>(s.stages) * s.span_us);
+  // Several stages on one worker (virtual stages) share its time: count
+  // workers, not stages, in a train_step trace.
+  int64_t lanes = s.stages;
+  if (!whole_steps.empty()) {
+    std::set<int64_t> threads;
+    for (const auto& e : events) {
+      if (e.phase != TracePhase::Copy) threads.insert(e.thread);
+    }
+    lanes = std::min<int64_t>(lanes, static_cast<int64_t>(threads.size()));
+  }
+  if (lanes > 0 && s.span_us > 0) {
+    s.bubble = 1.0 - busy / (static_cast<double>(lanes) * s.span_us);
   }
   if (s.stages > 0 && s.microbatches > 0) {
     s.ideal_bubble = static_cast<double>(s.stages - 1) /

@@ -150,7 +150,7 @@ at::Tensor Engine::train_step(const Batch& input, const Batch& target, const Los
                     "mode); a training step needs grads: call it outside no_grad, or use forward "
                     "for inference");
   Scattered scattered = scatter(input, chunks_, input_dims_);
-  Scattered targets = scatter(target, chunks_, BatchDims{0});
+  Scattered targets = scatter(target, chunks_, BatchDims{0}, "target");
   const auto m = static_cast<int64_t>(scattered.microbatches.size());
   const auto rows = rows_of(scattered);
   const auto target_rows = rows_of(targets);

@@ -67,9 +67,11 @@ struct TraceEvent {
 
 /// What a trace says about the pipeline's efficiency, measured against GPipe's
 /// ideal. Steps are split into halves: the forward half (forward events) and
-/// the backward half (recompute and backward events). Each half of each step
-/// has a span: from its first event's start to its last event's end. Copies
-/// are not work: they count toward no stage's busy time and no span.
+/// the backward half (recompute and backward events); a `train_step` step
+/// (one with loss events), whose forwards and backwards interleave, is one
+/// span. Each half of each step has a span: from its first event's start to
+/// its last event's end. Copies are not work: they count toward no stage's
+/// busy time and no span.
 struct TraceSummary {
   /// Stages seen in the trace (highest stage index + 1).
   int64_t stages = 0;
@@ -85,7 +87,9 @@ struct TraceSummary {
   /// halves (the caller's own code: loss, optimizer) left out.
   double span_us = 0;
   /// The measured idle share of the stages' time inside the spans:
-  /// 1 − Σ busy_us / (stages × span_us). 0 means every stage was busy from
+  /// 1 − Σ busy_us / (stages × span_us), counting the threads that ran cells
+  /// instead of the stages when several stages share a worker (virtual
+  /// stages under train_step). 0 means every stage was busy from
   /// the first start to the last end of every half; it also includes the
   /// engine's own overhead between cells and any imbalance between stages.
   double bubble = 0;

@@ -20,7 +20,7 @@ since the Pipe was built.
 """
 import contextlib
 import os
-from typing import TYPE_CHECKING, Iterator, Union
+from typing import TYPE_CHECKING, Dict, Iterator, Union
 
 from gpipe import _C
 
@@ -64,11 +64,16 @@ def tracing(pipe: "Pipe") -> Iterator[Trace]:
 
 
 def plot_timeline(trace: Trace, path: Union[str, "os.PathLike[str]"], *,
-                  title: str = "gpipe timeline") -> None:
+                  title: str = "gpipe timeline", by: str = "stage") -> None:
     """Draws ``trace`` as a Gantt chart to ``path`` (PNG, or any format
     matplotlib infers from the suffix): one row per stage, one box per cell
-    labelled with its micro-batch, forward, backward, recompute and copy in
-    different colours, time in milliseconds from the first event."""
+    labelled with its micro-batch, each phase (forward, backward, recompute,
+    copy, and under ``train_step`` loss, input_grad and weight_grad) in its
+    own colour, time in milliseconds from the first event. ``by="thread"``
+    gives one row per thread instead (a worker, with ``virtual_stages``
+    running several stages; boxes then read micro-batch.stage)."""
+    if by not in ("stage", "thread"):
+        raise ValueError(f"by is 'stage' or 'thread', got {by!r}")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -81,21 +86,39 @@ def plot_timeline(trace: Trace, path: Union[str, "os.PathLike[str]"], *,
         raise ValueError("the trace is empty: turn tracing on (gpipe.tracing(pipe) or "
                          "Pipe(..., trace=True)) and run the Pipe before plotting")
     origin = min(e.start_us for e in events)
-    stages = max(e.stage for e in events) + 1
-    fig, ax = plt.subplots(figsize=(12, 0.6 * stages + 1.5))
+    if by == "stage":
+        rows = {j: j for j in range(max(e.stage for e in events) + 1)}
+        names = [f"stage {j}" for j in rows]
+        row_of = lambda e: e.stage  # noqa: E731
+    else:
+        # Threads in the order of the lowest stage each ran.
+        first: Dict[int, int] = {}
+        for e in events:
+            first[e.thread] = min(first.get(e.thread, e.stage), e.stage)
+        order = sorted(first, key=lambda t: (first[t], t))
+        rows = {t: k for k, t in enumerate(order)}
+        names = [f"worker {k}" for k in range(len(order))]
+        row_of = lambda e: rows[e.thread]  # noqa: E731
+    span = max((e.end_us - origin) / 1000.0 for e in events)
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(rows) + 1.5))
     for e in events:
         start = (e.start_us - origin) / 1000.0
         width = max((e.end_us - e.start_us) / 1000.0, 1e-6)
-        ax.broken_barh([(start, width)], (e.stage - 0.4, 0.8),
+        row = row_of(e)
+        ax.broken_barh([(start, width)], (row - 0.4, 0.8),
                        facecolors=_COLOURS[e.phase], edgecolors="white", linewidth=0.5)
-        ax.text(start + width / 2, e.stage, str(e.microbatch), ha="center", va="center",
-                fontsize=7, color="white", clip_on=True)
-    ax.set_yticks(range(stages))
-    ax.set_yticklabels([f"stage {j}" for j in range(stages)])
+        label = str(e.microbatch) if by == "stage" else f"{e.microbatch}.{e.stage}"
+        if width < 0.012 * span:
+            continue  # too narrow to read (a loss, an empty I)
+        ax.text(start + width / 2, row, label, ha="center", va="center",
+                fontsize=6 if by == "thread" else 7, color="white", clip_on=True)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(names)
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     summary = trace.summary()
-    ax.set_title(f"{title}: bubble {summary.bubble:.2f} (ideal {summary.ideal_bubble:.2f})")
+    ax.set_title(f"{title}: bubble {summary.bubble:.2f} (GPipe's ideal "
+                 f"{summary.ideal_bubble:.2f})")
     present = sorted({e.phase for e in events}, key=list(_COLOURS).index)
     ax.legend(handles=[Patch(color=_COLOURS[p], label=p) for p in present],
               loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8)

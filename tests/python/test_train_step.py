@@ -636,12 +636,8 @@ def test_target_with_wrong_rows(target_rows):
     result(lambda: pipe.train_step(x, y, F.mse_loss))
 
 
-# LIBRARY BUG (message): a tuple target whose values have different row counts is refused
-# by the input's scatter check, whose message calls the target's values "input 1" and
-# "input 0" and points to batch_dim, which does not apply to targets (csrc/microbatch.cpp,
-# scatter, called by Engine::train_step for the target).
-@pytest.mark.xfail(strict=True, reason="the refusal of a ragged tuple target calls it 'input' "
-                   "and points to batch_dim (csrc/microbatch.cpp scatter)")
+# A tuple target whose values have different row counts is refused naming the target (not
+# "input", and not batch_dim, which does not apply to targets).
 def test_ragged_tuple_target_is_named_as_the_target():
     x, y = mlp_data(8)
     pipe = small_pipe()

@@ -100,3 +100,17 @@ def test_main_wires_compare_to_verdict(trained, example, monkeypatch, tmp_path):
     assert "OK" in lines
     assert timeline.read_bytes()[:4] == b"\x89PNG"
     assert any(line.startswith("one traced step:") and "bubble" in line for line in lines)
+
+
+SCHEDULES_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "schedules.py"
+
+
+def test_schedules_example_matches_the_plain_model():
+    """examples/schedules.py: every schedule's step equals the plain model's (its timing is
+    the example's business, not a test's)."""
+    spec = importlib.util.spec_from_file_location("schedules", SCHEDULES_EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for schedule in module.SCHEDULES:
+        result = module.one_step(schedule, 0.0005, None)
+        assert result["error"] <= 1e-10, (schedule, result)
