@@ -3,7 +3,7 @@
 
 #include "executor.h"
 #include "graph.h"
-#include "handoff.h"
+#include "transport.h"
 #include "microbatch.h"
 #include "plan.h"
 #include "stage.h"

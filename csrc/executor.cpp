@@ -264,7 +264,7 @@ std::vector<Payload> Executor::run(const Schedule& schedule, std::vector<Payload
   return std::move(run.sinks);
 }
 
-void Executor::run_plan(const Plan& plan, const TaskFn& task, Handoff& handoff,
+void Executor::run_plan(const Plan& plan, const TaskFn& task, Transport& transport,
                         const at::ThreadLocalState& state) {
   TORCH_CHECK(plan.workers == workers(), "plan for ", plan.workers, " workers on an executor of ",
               workers());
@@ -272,7 +272,7 @@ void Executor::run_plan(const Plan& plan, const TaskFn& task, Handoff& handoff,
   std::exception_ptr error;
   const Job job = [&](int64_t w) {
     for (const auto& t : plan.lists[static_cast<size_t>(w)]) {
-      if (handoff.cancelled()) break;
+      if (transport.cancelled()) break;
       const char* phase = t.op == Op::F   ? "forward"
                           : t.op == Op::B ? "backward"
                           : t.op == Op::I ? "input-grad backward"
@@ -288,7 +288,7 @@ void Executor::run_plan(const Plan& plan, const TaskFn& task, Handoff& handoff,
                 CellError(t.stage, t.microbatch, phase, std::current_exception()));
           }
         }
-        handoff.cancel();
+        transport.cancel();
         break;
       }
     }

@@ -5,7 +5,7 @@
 // action waits for its input from the neighbouring stage (forward from j-1,
 // backward from j+1; the ends are fed by `sources` and drain into the
 // result), runs the cell, and hands its output on through in-process
-// mailboxes (handoff.h). `run_plan` gives each worker its list of a
+// mailboxes (transport.h). `run_plan` gives each worker its list of a
 // training plan (plan.h); the task function does its own hand-offs. Either
 // way the first cell that throws cancels the run: no new cell starts, every
 // waiting worker wakes up and stops, and the call rethrows that error as a
@@ -13,7 +13,7 @@
 // again.
 #pragma once
 
-#include "handoff.h"
+#include "transport.h"
 #include "plan.h"
 #include "schedule.h"
 #include "streams.h"
@@ -66,9 +66,9 @@ class Executor {
 
   /// Runs `plan` (checked with `validate` by the caller): worker w runs
   /// `plan.lists[w]` in order, calling `task` for each, under `state`. The
-  /// first task that throws cancels `handoff` (waking every receive) and
+  /// first task that throws cancels `transport` (waking every receive) and
   /// is rethrown as a CellError once every worker has stopped.
-  void run_plan(const Plan& plan, const TaskFn& task, Handoff& handoff,
+  void run_plan(const Plan& plan, const TaskFn& task, Transport& transport,
                 const at::ThreadLocalState& state);
 
   /// The stage whose cell the calling thread is running now (of any

@@ -1,4 +1,4 @@
-// handoff.h — how a stage's output reaches the next stage (and a grad the previous one): one small interface, in-process mailboxes behind it.
+// transport.h — how a stage's output reaches the next stage (and a grad the previous one): one small interface, in-process mailboxes behind it.
 //
 // A run hands batches between stages at addresses (receiving stage, flow,
 // micro-batch): activations flow to stage s+1, grads to stage s-1. Every
@@ -61,9 +61,9 @@ struct Address {
   int64_t microbatch;
 };
 
-class Handoff {
+class Transport {
  public:
-  virtual ~Handoff() = default;
+  virtual ~Transport() = default;
   /// Hands `payload` to whoever receives at `to`; does not wait for them.
   virtual void send(const Address& to, Payload payload) = 0;
   /// Waits for what was sent to `at`; std::nullopt once cancelled.
@@ -76,7 +76,7 @@ class Handoff {
 /// The in-process hand-off: one slot per address, written once, taken once.
 /// A receiver spins briefly before it parks (a CPU cell can be shorter than
 /// waking a parked thread); a sender notifies only when someone is parked.
-class Mailboxes final : public Handoff {
+class Mailboxes final : public Transport {
  public:
   Mailboxes(int64_t stages, int64_t microbatches);
   void send(const Address& to, Payload payload) override;

@@ -1,5 +1,5 @@
-// handoff.cpp — batch metadata and its header encoding; the in-process mailboxes.
-#include "handoff.h"
+// transport.cpp — batch metadata and its header encoding; the in-process mailboxes.
+#include "transport.h"
 
 #include "check.h"
 

@@ -1,5 +1,5 @@
-// test_handoff.cpp — the hand-off interface: batch metadata and its header, the in-process mailboxes.
-#include "../../csrc/handoff.h"
+// test_transport.cpp — the hand-off interface: batch metadata and its header, the in-process mailboxes.
+#include "../../csrc/transport.h"
 
 #include "models.h"
 
@@ -16,7 +16,7 @@ using gpipe::detail::Flow;
 using gpipe::detail::Mailboxes;
 using gpipe::detail::Payload;
 
-TEST_CASE("handoff: metadata names every value and survives its header", "[handoff]") {
+TEST_CASE("transport: metadata names every value and survives its header", "[transport]") {
   auto a = torch::randn({3, 4}, torch::kFloat64).requires_grad_(true);
   auto b = torch::arange(5, torch::kLong);
   Batch batch({a, torch::Tensor(), b}, /*is_atomic=*/false);
@@ -46,7 +46,7 @@ TEST_CASE("handoff: metadata names every value and survives its header", "[hando
   CHECK_THROWS_WITH(decode(header), Catch::Contains("version 99"));
 }
 
-TEST_CASE("handoff: mailboxes deliver each address once, in any order", "[handoff]") {
+TEST_CASE("transport: mailboxes deliver each address once, in any order", "[transport]") {
   Mailboxes mail(/*stages=*/2, /*microbatches=*/3);
   for (int64_t i = 2; i >= 0; --i) {
     mail.send({1, Flow::Activation, i}, Payload{Batch(torch::full({1}, double(i))), {}});
@@ -62,7 +62,7 @@ TEST_CASE("handoff: mailboxes deliver each address once, in any order", "[handof
   CHECK(grad->batch[0].item<double>() == 10.0);
 }
 
-TEST_CASE("handoff: a receive waits for its send, and cancel wakes every waiter", "[handoff]") {
+TEST_CASE("transport: a receive waits for its send, and cancel wakes every waiter", "[transport]") {
   Mailboxes mail(2, 2);
   std::thread sender([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
