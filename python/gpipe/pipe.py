@@ -478,6 +478,9 @@ class Pipe(nn.Module):
         """Starts the C++ engine over the stages: the one place it is built, from
         the Pipe's attributes (construction, copies, unpickling and compile())."""
         parts = self._partitions() if self._stages is None else [[s] for s in self._stages]
+        # Pipes pickled before train_step existed have neither attribute.
+        self.__dict__.setdefault("schedule", "1f1b")
+        self.__dict__.setdefault("virtual_stages", 1)
         self._engine = (_C.Engine(parts, self._per_stage_devices(), self.chunks,
                                   self.checkpoint, intra_op_threads=self.intra_op_threads,
                                   virtual_stages=self.virtual_stages, schedule=self.schedule)
