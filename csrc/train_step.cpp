@@ -12,11 +12,12 @@
 //                       I(s,i) / W(s,i): B in two halves (split.h)
 //
 // CUDA deadlock rule (docs/gpu.md): it concerns a Pipe's backward run by an
-// autograd device thread, whose nested backwards need that very thread.
-// Here the workers drive every backward themselves and no autograd device
-// thread is involved (a nested backward on a worker runs its CPU and CUDA
-// nodes on the worker), so the rule does not apply and every stage keeps its
-// worker.
+// autograd device thread (PipeBackward), which must not wait for workers
+// whose nested backwards need that very thread. Here the workers drive every
+// backward themselves: a worker's backward waits for the device threads to
+// run its CUDA nodes, but no device thread ever waits for a worker (no
+// PipeBackward is involved), so there is no cycle, the rule does not apply
+// and every stage keeps its worker.
 #include "engine.h"
 
 #include "check.h"
