@@ -24,6 +24,14 @@
 //   * time child: one Pipe per mode in one more fresh process with glibc's
 //     default malloc (the memory child's fixed mmap threshold costs page
 //     faults), training steps of the three interleaved, median step time.
+//   * schedule child (--measure schedule --schedule gpipe|1f1b --mode MODE):
+//     the same MLP at M = 16 trained with `train_step` (loss = output.sum()
+//     on the last stage) in the order of `schedule`; tensor peaks (the
+//     counting allocator) of a training step and of an activations step as
+//     above. 1F1B holds at most K - j micro-batches on stage j against
+//     GPipe's M at the turn: K/M = 0.25 on stage 0, K(K+1)/2 over K*M =
+//     0.16 summed over the stages, plus what every schedule holds alike
+//     (one micro-batch's backward buffers per stage, the input).
 #include <gpipe/gpipe.h>
 
 #include <c10/core/CPUAllocator.h>
@@ -132,8 +140,26 @@ Config config(bool quick) {
   return quick ? Config{256, 8, 64, 4, 8, 1, 1} : Config{1024, 32, 256, 4, 8, 1, 9};
 }
 
-// The pipelined MLP of `mode`, with every parameter's grad allocated.
-gpipe::Pipe make_pipe(const Config& c, gpipe::Checkpoint checkpoint) {
+// The schedule comparison's: the same MLP cut into M = 16 micro-batches, so
+// GPipe's M and 1F1B's K differ by 4x.
+Config schedule_config(bool quick) {
+  Config c = config(quick);
+  c.m = 16;
+  return c;
+}
+
+gpipe::Schedule parse_schedule(const std::string& schedule) {
+  if (schedule == "gpipe") return gpipe::Schedule::GPipe;
+  if (schedule == "1f1b") return gpipe::Schedule::OneFOneB;
+  std::fprintf(stderr, "bench_memory: --schedule is \"%s\"; use gpipe or 1f1b\n",
+               schedule.c_str());
+  std::exit(2);
+}
+
+// The pipelined MLP of `mode`, with every parameter's grad allocated;
+// `schedule` orders its train_step (forward ignores it).
+gpipe::Pipe make_pipe(const Config& c, gpipe::Checkpoint checkpoint,
+                      gpipe::Schedule schedule = gpipe::Schedule::OneFOneB) {
   torch::manual_seed(0);
   torch::nn::Sequential model;
   for (int64_t i = 0; i < c.pairs; ++i) {
@@ -145,7 +171,8 @@ gpipe::Pipe make_pipe(const Config& c, gpipe::Checkpoint checkpoint) {
                        .balance(std::vector<int64_t>(static_cast<size_t>(c.k), 2 * c.pairs / c.k))
                        .devices(std::vector<c10::Device>(static_cast<size_t>(c.k), torch::kCPU))
                        .chunks(c.m)
-                       .checkpoint(checkpoint));
+                       .checkpoint(checkpoint)
+                       .schedule(schedule));
   for (auto& p : pipe->parameters()) p.mutable_grad() = torch::zeros_like(p);
   return pipe;
 }
@@ -209,6 +236,37 @@ int measure_memory(const std::string& mode, bool quick) {
       "act_tensor_mb=%.1f baseline_mb=%.1f hwm_reset=%d\n",
       mode.c_str(), training.rss_mb, training.tensor_mb, activations.rss_mb, activations.tensor_mb,
       baseline_mb, reset && reset2 ? 1 : 0);
+  return 0;
+}
+
+// --measure schedule: tensor peaks of train_step in the order of
+// `schedule`, a training step and an activations step (frozen weights, an
+// input that needs grad). Tensor peaks only: the comparison is between
+// schedules in the same configuration, and the counting allocator is exact.
+int measure_schedule(const std::string& schedule, const std::string& mode, bool quick) {
+  static CountingAllocator counting(c10::GetCPUAllocator());
+  c10::SetCPUAllocator(&counting, /*priority=*/1);
+  at::set_num_threads(1);
+  const Config c = schedule_config(quick);
+  auto pipe = make_pipe(c, parse_mode(mode), parse_schedule(schedule));
+  const auto x = torch::randn({c.batch, c.hidden});
+  const auto target = torch::zeros({c.batch, 1});
+  const gpipe::PipeImpl::LossFn loss = [](const torch::Tensor& out, const torch::Tensor&) {
+    return out.sum();
+  };
+  auto train = [&] { pipe->train_step(x, target, loss); };
+  train();  // warm-up
+  bool reset = false;
+  double baseline_mb = 0;
+  const Peak training = measure_peak(train, reset, baseline_mb);
+
+  for (auto& p : pipe->parameters()) p.requires_grad_(false);
+  const auto xg = x.clone().requires_grad_(true);
+  auto activations_step = [&] { pipe->train_step(xg, target, loss); };
+  activations_step();
+  const Peak activations = measure_peak(activations_step, reset, baseline_mb);
+  std::printf("ROW schedule=%s mode=%s train_tensor_mb=%.3f act_tensor_mb=%.3f\n",
+              schedule.c_str(), mode.c_str(), training.tensor_mb, activations.tensor_mb);
   return 0;
 }
 
@@ -289,16 +347,21 @@ std::vector<double> numbers(const std::string& list) {
 int main(int argc, char** argv) {
   const bool quick = bench::quick(argc, argv);
   const std::vector<std::string> modes = {"always", "except_last", "never"};
-  std::string mode, measure;
+  std::string mode, measure, schedule;
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::string(argv[i]) == "--mode") mode = argv[i + 1];
     if (std::string(argv[i]) == "--measure") measure = argv[i + 1];
+    if (std::string(argv[i]) == "--schedule") schedule = argv[i + 1];
   }
   if (measure == "memory" && !mode.empty()) return measure_memory(mode, quick);
+  if (measure == "schedule" && !mode.empty() && !schedule.empty()) {
+    return measure_schedule(schedule, mode, quick);
+  }
   if (measure == "time") return measure_time(modes, quick);
   if (!measure.empty() || !mode.empty()) {
     std::fprintf(stderr,
                  "bench_memory: got --measure \"%s\" --mode \"%s\"; use --measure memory "
+                 "--mode always|except_last|never, --measure schedule --schedule gpipe|1f1b "
                  "--mode always|except_last|never, --measure time, or no arguments\n",
                  measure.c_str(), mode.c_str());
     return 2;
@@ -361,5 +424,45 @@ int main(int argc, char** argv) {
       ratio("always", act), step("always") / step("never"), ratio("always", train),
       ratio("except_last", act),
       step("except_last") / step("never"));
+
+  // ---- schedules: train_step's peaks, 1f1b against gpipe --------------------------------
+  const std::vector<std::string> schedule_modes = {"never", "except_last", "always"};
+  std::map<std::string, std::map<std::string, std::map<std::string, std::string>>> sched;
+  for (const auto& m : schedule_modes) {
+    for (const std::string s : {"gpipe", "1f1b"}) {
+      sched[m][s] = run_child("--measure schedule --schedule " + s + " --mode " + m + q);
+    }
+  }
+  auto sched_num = [&](const std::string& m, const std::string& s, const std::string& key) {
+    return std::stod(sched[m][s][key]);
+  };
+  auto over_gpipe = [&](const std::string& m, const std::string& key) {
+    return sched_num(m, "1f1b", key) / sched_num(m, "gpipe", key);
+  };
+  const Config sc = schedule_config(quick);
+  std::printf(
+      "\nmemory: schedules: the same MLP, K=%lld, M=%lld, train_step (loss = output.sum()), "
+      "tensor peaks above what was live before the step, each schedule and checkpoint mode in "
+      "its own fresh process; theory for activations (1f1b / gpipe): K/M = %.3f on stage 0, "
+      "K(K+1)/2 / (K*M) = %.3f over all stages\n\n",
+      static_cast<long long>(sc.k), static_cast<long long>(sc.m),
+      static_cast<double>(sc.k) / static_cast<double>(sc.m),
+      static_cast<double>(sc.k + 1) / (2.0 * static_cast<double>(sc.m)));
+  bench::Table sched_table({"checkpoint", "gpipe act MB", "1f1b act MB", "act 1f1b/gpipe",
+                            "gpipe train MB", "1f1b train MB", "train 1f1b/gpipe"});
+  for (const auto& m : schedule_modes) {
+    sched_table.add({m, bench::fixed(sched_num(m, "gpipe", "act_tensor_mb"), 2),
+                     bench::fixed(sched_num(m, "1f1b", "act_tensor_mb"), 2),
+                     bench::fixed(over_gpipe(m, "act_tensor_mb"), 3),
+                     bench::fixed(sched_num(m, "gpipe", "train_tensor_mb"), 2),
+                     bench::fixed(sched_num(m, "1f1b", "train_tensor_mb"), 2),
+                     bench::fixed(over_gpipe(m, "train_tensor_mb"), 3)});
+  }
+  sched_table.print();
+  std::printf(
+      "\nBENCH memory schedule=1f1b activations_over_gpipe=%.3f train_over_gpipe=%.3f "
+      "except_last_activations_over_gpipe=%.3f always_activations_over_gpipe=%.3f\n",
+      over_gpipe("never", "act_tensor_mb"), over_gpipe("never", "train_tensor_mb"),
+      over_gpipe("except_last", "act_tensor_mb"), over_gpipe("always", "act_tensor_mb"));
   return 0;
 }

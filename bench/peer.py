@@ -17,6 +17,27 @@ Frameworks:
               from --torchgpipe-dir (bench/run installs it there with
               `pip install --target`); it is never added to requirements.txt.
 
+Schedules (the step inside the pipeline): gpipe's `pipe.train_step(x, y, loss_fn)`
+with schedule='gpipe', '1f1b', 'interleaved_1f1b' (virtual_stages=2) and
+'zb_h1' (one process, 4 CPU stages) against torch.distributed.pipelining's
+ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B and
+ScheduleInterleavedZeroBubble (2 stages per rank, stage s on rank s mod 4),
+ScheduleZBVZeroBubble and ScheduleDualPipeV (2 stages per rank in a V: rank
+r holds stages r and 7 - r), each schedule in its own group of 4 processes
+(Gloo), so one that crashes or hangs costs only its own row (its error is
+reported). Models, 8 layers each so every schedule can cut them into 4 or 8
+stages:
+  sim   8 split sleep layers (forward t/2 = 1 ms, backward t: t/2 for the
+        input's grad and t/2 for the weight's, each only when the running
+        backward computes it, so a zero-bubble split pays each half once):
+        a 4-stage cut has sim's costs (forward t, backward 2t per stage).
+  tiny  the tiny model above.
+loss = output.sum() on both sides (timing only). The BENCH lines
+`BENCH peer model=... schedule=... pipelining_over_gpipe=...` compare
+like with like: gpipe, 1f1b and interleaved_1f1b against theirs of the same
+name; zb_h1 has no like in pipelining (theirs are interleaved or V-shaped)
+and is only in the table.
+
 Every process sets one intra-op thread and 1 ns timer slack (so sleeps end
 on time alike). A step's time is the median over blocks of consecutive
 steps of (block time / steps); for pipelining, a Gloo barrier starts and
@@ -76,6 +97,46 @@ class Sleep(nn.Module):
 
     def forward(self, x):
         return SleepFn.apply(x, self.w, self.t)
+
+
+class SplitSleepFn(torch.autograd.Function):
+    """Identity whose forward sleeps t and whose backward sleeps t for the
+    input's grad and t for the weight's, each only when the running backward
+    will use it (ctx.needs_input_grad is fixed at forward in Python; the
+    engine's plan for the running pass is asked instead, through the view
+    nodes that `SplitSleep` puts in front of both inputs)."""
+
+    @staticmethod
+    def forward(ctx, x, w, t):  # type: ignore[override]
+        ctx.t = t
+        time.sleep(t)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        def runs(i: int) -> bool:
+            node = ctx.next_functions[i][0]
+            return node is not None and torch._C._will_engine_execute_node(node)
+
+        want_x, want_w = runs(0), runs(1)
+        time.sleep(ctx.t * (want_x + want_w))
+        # contiguous, like a real layer's input grad: pipelining's zero-bubble schedules send
+        # autograd.grad's result as it is, and Gloo refuses sum()'s expanded grad.
+        return (grad.contiguous() if want_x else None), (torch.zeros(1) if want_w else None), None
+
+
+class SplitSleep(nn.Module):
+    """A split sleep layer; the views make both inputs' next nodes non-leaf
+    nodes, which `_will_engine_execute_node` can be asked about under
+    autograd.grad too (a leaf's AccumulateGrad cannot)."""
+
+    def __init__(self, t: float) -> None:
+        super().__init__()
+        self.t = t
+        self.w = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return SplitSleepFn.apply(x.view_as(x), self.w.view_as(self.w), self.t)
 
 
 def make_model(name: str, t: float) -> nn.Sequential:
@@ -198,6 +259,195 @@ def time_pipelining(names: list, quick: bool) -> dict:
             return json.load(f)
 
 
+# ---- schedules: train_step against pipelining's schedules ---------------------------------------
+
+# gpipe's schedule name, its virtual stages, and pipelining's schedule of the same name (if any).
+GPIPE_SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
+# pipelining's schedule class, its stage placement ("one": stage = rank; "loop": ranks r and
+# r + K; "v": r and 2K - 1 - r), and gpipe's schedule it is compared with in the BENCH lines.
+PIPELINING_SCHEDULES = [
+    ("ScheduleGPipe", "one", "gpipe"),
+    ("Schedule1F1B", "one", "1f1b"),
+    ("ScheduleInterleaved1F1B", "loop", "interleaved_1f1b"),
+    ("ScheduleInterleavedZeroBubble", "loop", None),
+    ("ScheduleZBVZeroBubble", "v", None),
+    ("ScheduleDualPipeV", "v", None),
+]
+
+
+def make_schedule_model(name: str, t: float) -> nn.Sequential:
+    """8 layers: split sleep layers of t/2 for sim, the tiny model for tiny."""
+    torch.manual_seed(0)
+    if name == "sim":
+        return nn.Sequential(*[SplitSleep(t / 2) for _ in range(2 * K)])
+    return make_model(name, t)
+
+
+def time_gpipe_train(name: str, cfg: dict, schedule: str, v: int) -> float:
+    import gpipe
+
+    model = make_schedule_model(name, cfg["t"])
+    stages = K * v
+    pipe = gpipe.Pipe(model, balance=[len(model) // stages] * stages, devices=["cpu"] * K,
+                      chunks=cfg["m"], checkpoint="never", schedule=schedule, virtual_stages=v)
+    x = make_input(name, cfg["m"])
+    target = torch.zeros(x.shape[0], 1)
+    return time_blocks(lambda: pipe.train_step(x, target, lambda out, y: out.sum()), cfg)
+
+
+def stage_indices(placement: str, rank: int) -> list:
+    if placement == "one":
+        return [rank]
+    if placement == "loop":
+        return [rank, rank + K]
+    return [rank, 2 * K - 1 - rank]
+
+
+def pipelining_schedule_worker(rank: int, port: int, schedule_name: str, placement: str,
+                               names: list, quick: bool, result_path: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.pipelining as pipelining
+
+    set_timer_slack()
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=K)
+    try:
+        results = {}
+        for name in names:
+            cfg = config(name, quick)
+            model = make_schedule_model(name, cfg["t"])
+            indices = stage_indices(placement, rank)
+            n_stages = K if placement == "one" else 2 * K
+            per = len(model) // n_stages
+            stages = [pipelining.PipelineStage(nn.Sequential(*list(model)[i * per:(i + 1) * per]),
+                                               i, n_stages, torch.device("cpu"))
+                      for i in indices]
+            cls = getattr(pipelining, schedule_name)
+            schedule = cls(stages[0] if placement == "one" else stages, n_microbatches=cfg["m"],
+                           loss_fn=lambda out, target: out.sum(), scale_grads=False)
+            x = make_input(name, cfg["m"])
+            target = torch.zeros(1)
+            first, last = 0 in indices, n_stages - 1 in indices
+
+            def step():
+                kwargs = dict(target=target, losses=[]) if last else {}
+                if first:
+                    schedule.step(x, **kwargs)
+                else:
+                    schedule.step(**kwargs)
+
+            results[name] = time_blocks(step, cfg, sync=dist.barrier)
+            if rank == 0:  # after each model: a later model's failure keeps this one's time
+                with open(result_path, "w") as f:
+                    json.dump(results, f)
+    except BaseException as e:
+        # The first line of what went wrong, for the table; the traceback still goes to stderr.
+        with open(f"{result_path}.err{rank}", "w") as f:
+            f.write(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def time_pipelining_schedule(schedule_name: str, placement: str, names: list, quick: bool,
+                             timeout: float) -> tuple:
+    """({model: seconds}, failure): the models timed before any failure, and the first
+    failing rank's error (or a timeout), None when all ran."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        context = mp.spawn(pipelining_schedule_worker,
+                           args=(free_port(), schedule_name, placement, names, quick, path),
+                           nprocs=K, join=False)
+        deadline = time.monotonic() + timeout
+        failure = None
+        try:
+            while not context.join(timeout=1):
+                if time.monotonic() > deadline:
+                    failure = f"no result after {timeout:.0f} s (hung); killed"
+                    break
+        except Exception as e:  # a rank failed; spawn has stopped the others
+            failure = f"{type(e).__name__}"
+            print(f"peer: pipelining {schedule_name}: {e}", file=sys.stderr)
+        if failure is not None:
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()
+            # The first rank to fail names the cause; the others then lose their peers.
+            errors = sorted((f for f in os.listdir(tmp) if ".err" in f),
+                            key=lambda f: os.path.getmtime(os.path.join(tmp, f)))
+            if errors:
+                with open(os.path.join(tmp, errors[0])) as f:
+                    failure = f"rank {errors[0].rsplit('err', 1)[1]}: {f.read()}"
+        done = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                done = json.load(f)
+        return done, failure
+
+
+def run_schedules(names: list, quick: bool) -> tuple:
+    """gpipe's train_step times, pipelining's times and pipelining's failures."""
+    ours = {name: {} for name in names}
+    for name in names:
+        cfg = config(name, quick)
+        for schedule, v in GPIPE_SCHEDULES:
+            ours[name][schedule] = time_gpipe_train(name, cfg, schedule, v)
+    theirs = {name: {} for name in names}
+    failures = {name: {} for name in names}
+    for schedule_name, placement, _ in PIPELINING_SCHEDULES:
+        # tiny first: sim's Python autograd.Function breaks a schedule that tiny runs.
+        done, failure = time_pipelining_schedule(schedule_name, placement, sorted(names,
+                                                 key=lambda n: n != "tiny"), quick,
+                                                 timeout=120)
+        for name in names:
+            if name in done:
+                theirs[name][schedule_name] = done[name]
+            else:
+                failures[name][schedule_name] = failure
+        if failure:
+            print(f"peer: pipelining {schedule_name} failed: {failure}", file=sys.stderr)
+    return ours, theirs, failures
+
+
+def report_schedules(names: list, quick: bool, ours: dict, theirs: dict, failures: dict) -> list:
+    """Prints the schedules' tables; returns their BENCH lines."""
+    lines = []
+    for name in names:
+        cfg = config(name, quick)
+        what = (f"8 split sleep layers of t/2 = {cfg['t'] * 1e3 / 2:g} ms (a 4-stage cut: forward "
+                f"t, backward 2t per stage), M={cfg['m']}; 1f1b's bound "
+                f"{(cfg['m'] + K - 1) * 3 * cfg['t'] * 1e3:.0f} ms, perfect "
+                f"{cfg['m'] * 3 * cfg['t'] * 1e3:.0f} ms"
+                if name == "sim" else f"{2 * K} x Linear(16, 16), batch 64, M={cfg['m']}")
+        print(f"\nschedules, model {name}: {what}; train_step / schedule.step, median over "
+              f"{cfg['blocks']} blocks of {cfg['per_block']} steps after {cfg['warmup']} warm-up")
+        base = ours[name]["1f1b"]
+        rows = [(f"gpipe train_step {s}" + (f" (v={v})" if v > 1 else ""), ours[name][s], None)
+                for s, v in GPIPE_SCHEDULES]
+        for schedule_name, _, like in PIPELINING_SCHEDULES:
+            rows.append((f"pipelining {schedule_name}", theirs[name].get(schedule_name),
+                         failures[name].get(schedule_name)))
+        width = max(len(label) for label, _, _ in rows)
+        print(f"{'schedule':>{width}}  {'step ms':>9}  {'this / gpipe 1f1b':>17}")
+        print(f"{'-' * width}  {'-' * 9}  {'-' * 17}")
+        for label, seconds, failure in rows:
+            if seconds is None:
+                print(f"{label:>{width}}  {'-':>9}  {'-':>17}  (failed: {failure})")
+            else:
+                print(f"{label:>{width}}  {seconds * 1e3:>9.2f}  {seconds / base:>17.2f}")
+        for schedule_name, _, like in PIPELINING_SCHEDULES:
+            if like is None:
+                continue
+            value = theirs[name].get(schedule_name)
+            ratio = f"{value / ours[name][like]:.2f}" if value else "nan"
+            lines.append(f"BENCH peer model={name} schedule={like} pipelining_over_gpipe={ratio}")
+    # 1f1b first: the headline.
+    lines.sort(key=lambda line: "schedule=1f1b " not in line)
+    return lines
+
+
 # ---- report -------------------------------------------------------------------------------------
 
 
@@ -247,6 +497,7 @@ def main() -> int:
     except Exception as e:
         pipelining_note = f"failed: {type(e).__name__}: {e}"
         traceback.print_exc()
+    schedules = run_schedules(names, quick)
 
     print(f"peer: K={K} stages on CPU, checkpoint never, loss = output.sum(), 1 intra-op thread "
           f"per process; torch {torch.__version__}, gpipe from {os.path.dirname(gpipe.__file__)}")
@@ -274,6 +525,7 @@ def main() -> int:
             else:
                 note = torchgpipe_note if key == "torchgpipe" else pipelining_note
                 print(f"{label:>{width}}  {'-':>9}  {'-':>14}  ({note})")
+    schedule_lines = report_schedules(names, quick, *schedules)
     print()
     for name in names:
         ours = times[name]["gpipe"]
@@ -282,6 +534,8 @@ def main() -> int:
             value = times[name].get(key)
             fields.append(f"{key}_over_gpipe=" + (f"{value / ours:.2f}" if value else "nan"))
         print(f"BENCH peer model={name} " + " ".join(fields))
+    for line in schedule_lines:
+        print(line)
     return 0
 
 

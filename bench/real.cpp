@@ -25,6 +25,12 @@
 //   pipe -1        the Pipe with intra_op_threads(-1): torch's count in every
 //                  stage, as before the split (K x N threads on N cores)
 //
+// and the whole step inside the pipeline (`train_step`, loss = MSE against
+// zeros on the last stage), 2 stages x 1 thread, checkpoint=never:
+//   train_step gpipe  Schedule::GPipe: every forward, then every backward
+//   train_step 1f1b   Schedule::OneFOneB: forwards and backwards in turn
+// (`BENCH real schedule=1f1b over_gpipe=` gpipe's time / 1f1b's).
+//
 // A Pipe fixes its workers' intra-op counts when it is built, from its
 // options and the building thread's count; at::set_num_threads on the main
 // thread between steps changes only the main thread's (and the plain
@@ -144,8 +150,32 @@ int main(int argc, char** argv) {
   auto unsplit = probed_pipe(
       plain, pairs, hidden,
       gpipe::PipeOptions().chunks(m).checkpoint(gpipe::Checkpoint::Never).intra_op_threads(-1));
+  auto step_gpipe = probed_pipe(plain, pairs, hidden,
+                                gpipe::PipeOptions()
+                                    .chunks(m)
+                                    .checkpoint(gpipe::Checkpoint::Never)
+                                    .intra_op_threads(1)
+                                    .schedule(gpipe::Schedule::GPipe));
+  auto step_1f1b = probed_pipe(plain, pairs, hidden,
+                               gpipe::PipeOptions()
+                                   .chunks(m)
+                                   .checkpoint(gpipe::Checkpoint::Never)
+                                   .intra_op_threads(1)
+                                   .schedule(gpipe::Schedule::OneFOneB));
   at::set_num_threads(1);
   const auto x = torch::randn({batch, hidden});
+  const auto target = torch::zeros({batch, hidden});
+  const gpipe::PipeImpl::LossFn mse = [](const torch::Tensor& out, const torch::Tensor& y) {
+    return torch::mse_loss(out, y);
+  };
+  auto train_gpipe_step = [&] {
+    at::set_num_threads(1);
+    step_gpipe.pipe->train_step(x, target, mse);
+  };
+  auto train_1f1b_step = [&] {
+    at::set_num_threads(1);
+    step_1f1b.pipe->train_step(x, target, mse);
+  };
 
   auto pipe_step = [&] {
     at::set_num_threads(1);
@@ -203,9 +233,11 @@ int main(int argc, char** argv) {
     pipe_default_step();
     pipe_all_default_step();
     pipe_unsplit_step();
+    train_gpipe_step();
+    train_1f1b_step();
   }
   bench::Timing t_pipe, t_plain1, t_plain2, t_loop, t_plain_default, t_pipe_default,
-      t_pipe_all_default, t_pipe_unsplit;
+      t_pipe_all_default, t_pipe_unsplit, t_train_gpipe, t_train_1f1b;
   for (int i = 0; i < reps; ++i) {
     t_pipe.run(pipe_step);
     t_plain1.run(plain1_step);
@@ -215,6 +247,8 @@ int main(int argc, char** argv) {
     t_pipe_default.run(pipe_default_step);
     t_pipe_all_default.run(pipe_all_default_step);
     t_pipe_unsplit.run(pipe_unsplit_step);
+    t_train_gpipe.run(train_gpipe_step);
+    t_train_1f1b.run(train_1f1b_step);
   }
   at::set_num_threads(1);
 
@@ -226,6 +260,8 @@ int main(int argc, char** argv) {
   const double pipe_default_s = bench::median(t_pipe_default.wall);
   const double pipe_all_default_s = bench::median(t_pipe_all_default.wall);
   const double pipe_unsplit_s = bench::median(t_pipe_unsplit.wall);
+  const double train_gpipe_s = bench::median(t_train_gpipe.wall);
+  const double train_1f1b_s = bench::median(t_train_1f1b.wall);
   const double samples = static_cast<double>(batch);
 
   std::printf(
@@ -286,5 +322,22 @@ int main(int argc, char** argv) {
       "all_defaults_over_plain=%.2f unsplit_over_plain=%.2f\n",
       plain1_s / pipe_s, plain2_s / pipe_s, plain_default_s / pipe_default_s,
       plain_default_s / pipe_all_default_s, plain_default_s / pipe_unsplit_s);
+
+  std::printf(
+      "\nthe step inside the pipeline (train_step, MSE loss on the last stage), 2 stages x 1 "
+      "thread, checkpoint=never:\n");
+  bench::Table steps({"configuration", "step ms", "samples/s", "cores used", "gpipe / this"});
+  steps.add({"forward + backward (above)", bench::fixed(pipe_s * 1e3, 1),
+             bench::fixed(samples / pipe_s, 0), bench::fixed(t_pipe.cores(), 2),
+             bench::fixed(train_gpipe_s / pipe_s, 2)});
+  steps.add({"train_step, schedule gpipe", bench::fixed(train_gpipe_s * 1e3, 1),
+             bench::fixed(samples / train_gpipe_s, 0), bench::fixed(t_train_gpipe.cores(), 2),
+             ""});
+  steps.add({"train_step, schedule 1f1b", bench::fixed(train_1f1b_s * 1e3, 1),
+             bench::fixed(samples / train_1f1b_s, 0), bench::fixed(t_train_1f1b.cores(), 2),
+             bench::fixed(train_gpipe_s / train_1f1b_s, 2)});
+  steps.print();
+  std::printf("\nBENCH real schedule=1f1b over_gpipe=%.3f gpipe_step_ms=%.1f 1f1b_step_ms=%.1f\n",
+              train_gpipe_s / train_1f1b_s, train_gpipe_s * 1e3, train_1f1b_s * 1e3);
   return 0;
 }

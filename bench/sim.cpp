@@ -22,11 +22,30 @@
 // "eff(real cells)" divides by the ideal made of those real cell times,
 // (M + K - 1) * (plain loop time / M) * L, and so shows what the schedule
 // and the engine lose, apart from the machine.
+//
+// Schedules: then `train_step` (the whole step inside the pipeline, loss on
+// the last stage) at K=8 devices, M=32 (quick: K=4, M=8), once per
+// schedule, the four Pipes' steps interleaved so a slow spell hits all
+// alike: gpipe, 1f1b, zb_h1 on K stages of one sleep layer (forward t,
+// backward 2t) and interleaved_1f1b with v=2: 2K stages of half the work
+// (forward t/2, backward t), stage s on device s mod K. The layer's
+// backward sleeps t for its input's grad and t for its weight's grad, each
+// only when the running backward asks for it (needs_input_grad): a full B
+// sleeps 2t, zb_h1's I (input path only) t, and its W t. The input
+// requires grad, so stage 0's backward also pays both halves. Every device
+// has M x 3t of work, so "perfect" is M x 3t; each schedule's own bound
+// is gpipe and 1f1b M/(M+K-1), interleaved M/(M+(K-1)/v), zb_h1
+// 3M/(3M+K-1) of perfect; `simulate` (csrc/plan.h) runs the same plan on
+// paper with these costs and should give those bounds exactly. "eff vs real
+// naps" divides instead by `simulate` with the naps' measured lengths
+// (nap(t/v) for F, I and W, nap(2t/v) for B): what the schedule and the
+// engine lose, apart from this machine's late wake-ups.
 #include <gpipe/gpipe.h>
 
 #include <torch/torch.h>
 
 #include "bench.h"
+#include "plan.h"
 
 #include <sys/prctl.h>
 
@@ -78,6 +97,83 @@ struct SleepLayerImpl : torch::nn::Module {
   torch::Tensor w;
 };
 TORCH_MODULE(SleepLayer);
+
+// Identity of x whose forward sleeps t and whose backward sleeps t for x's
+// grad and t for w's, each only when the running backward needs it: C++'s
+// needs_input_grad asks the running graph task, so zero-bubble's I pass
+// (toward the input only) pays t, its W pass t, a whole backward 2t.
+struct SplitSleepFn : torch::autograd::Function<SplitSleepFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            double t) {
+    ctx->saved_data["t"] = t;
+    ctx->save_for_backward({w});
+    nap(t);
+    return x.clone();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const double t = ctx->saved_data["t"].toDouble();
+    const bool input = ctx->needs_input_grad(0);
+    const bool weight = ctx->needs_input_grad(1);
+    // One nap for both halves: two would pay the wake-up twice.
+    nap((input ? t : 0) + (weight ? t : 0));
+    const auto w = ctx->get_saved_variables()[0];
+    return {input ? grads[0] : at::Tensor(), weight ? at::zeros_like(w) : at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+struct SplitSleepLayerImpl : torch::nn::Module {
+  explicit SplitSleepLayerImpl(double seconds) : t(seconds) {
+    w = register_parameter("w", torch::zeros({1}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return SplitSleepFn::apply(x, w, t); }
+  double t;
+  torch::Tensor w;
+};
+TORCH_MODULE(SplitSleepLayer);
+
+struct ScheduleCase {
+  const char* name;
+  gpipe::Schedule schedule;
+  gpipe::detail::PlanKind kind;
+  int64_t v;  // virtual stages per device
+};
+
+const std::vector<ScheduleCase> kScheduleCases = {
+    {"gpipe", gpipe::Schedule::GPipe, gpipe::detail::PlanKind::GPipe, 1},
+    {"1f1b", gpipe::Schedule::OneFOneB, gpipe::detail::PlanKind::OneFOneB, 1},
+    {"interleaved_1f1b", gpipe::Schedule::Interleaved1F1B,
+     gpipe::detail::PlanKind::Interleaved1F1B, 2},
+    {"zb_h1", gpipe::Schedule::ZBH1, gpipe::detail::PlanKind::ZBH1, 1},
+};
+
+// The schedule's closed-form efficiency against perfect parallelism, for a
+// backward of 2t (split into I = t, W = t).
+double bound_of(const ScheduleCase& c, int64_t k, int64_t m) {
+  const auto K = static_cast<double>(k), M = static_cast<double>(m);
+  switch (c.kind) {
+    case gpipe::detail::PlanKind::Interleaved1F1B:
+      return M / (M + (K - 1) / static_cast<double>(c.v));
+    case gpipe::detail::PlanKind::ZBH1:
+      return 3 * M / (3 * M + K - 1);
+    default:
+      return M / (M + K - 1);
+  }
+}
+
+// A Pipe of K*v split-sleep stages (forward t/v each) on K CPU "devices".
+gpipe::Pipe schedule_pipe(const ScheduleCase& c, int64_t k, int64_t m, double t) {
+  const int64_t stages = k * c.v;
+  torch::nn::Sequential seq;
+  for (int64_t i = 0; i < stages; ++i) seq->push_back(SplitSleepLayer(t / static_cast<double>(c.v)));
+  return gpipe::Pipe(seq, gpipe::PipeOptions()
+                              .balance(std::vector<int64_t>(static_cast<size_t>(stages), 1))
+                              .devices(std::vector<c10::Device>(static_cast<size_t>(k), torch::kCPU))
+                              .chunks(m)
+                              .checkpoint(gpipe::Checkpoint::Never)
+                              .schedule(c.schedule)
+                              .virtual_stages(c.v));
+}
 
 torch::nn::Sequential sleepers(int64_t layers, double t) {
   torch::nn::Sequential seq;
@@ -188,11 +284,83 @@ int main(int argc, char** argv) {
   }
   table.print();
   std::printf("\n");
+
+  // ---- schedules: train_step at the largest K and M -------------------------------------
+  const int64_t sk = ks.back();
+  const int64_t sm = ms.back();
+  const int sched_reps = quick ? 2 : 9;
+  std::vector<gpipe::Pipe> pipes;
+  for (const auto& c : kScheduleCases) pipes.push_back(schedule_pipe(c, sk, sm, t));
+  const auto sx = torch::zeros({sm, 1}).requires_grad_(true);
+  const auto target = torch::zeros({sm, 1});
+  const gpipe::PipeImpl::LossFn loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) {
+    return (out - y).sum();
+  };
+  std::vector<std::vector<double>> sched_times(kScheduleCases.size());
+  for (int r = 0; r < warmup + sched_reps; ++r) {
+    for (size_t i = 0; i < pipes.size(); ++i) {
+      const double s =
+          bench::time_runs([&] { pipes[i]->train_step(sx, target, loss_fn); }, 0, 1).front();
+      if (r >= warmup) sched_times[i].push_back(s);
+    }
+  }
+  std::printf(
+      "sim: schedules, train_step, K=%lld devices, M=%lld, split sleep layers (forward t, "
+      "backward 2t = input half t + weight half t; interleaved: 2K stages of half that), "
+      "median of %d steps after %d warm-up, the schedules' steps interleaved; perfect = M x 3t "
+      "= %.1f ms per device\n\n",
+      static_cast<long long>(sk), static_cast<long long>(sm), sched_reps, warmup,
+      static_cast<double>(sm) * 3 * t * 1e3);
+  bench::Table sched_table({"schedule", "v", "measured ms", "bound ms", "simulate ms",
+                            "bound/perfect", "simulate/perfect", "eff vs perfect",
+                            "eff vs bound", "eff vs real naps", "sim bubble",
+                            "peak in flight"});
+  struct SchedRow {
+    std::string name;
+    double efficiency, vs_perfect, simulated, vs_real_naps;
+  };
+  std::vector<SchedRow> sched_rows;
+  const double perfect = static_cast<double>(sm) * 3 * t;
+  const int nap_samples = quick ? 20 : 100;
+  for (size_t i = 0; i < kScheduleCases.size(); ++i) {
+    const auto& c = kScheduleCases[i];
+    const double measured = bench::median(sched_times[i]);
+    const double bound = bound_of(c, sk, sm);
+    const double v = static_cast<double>(c.v);
+    const auto plan = gpipe::detail::make_plan(c.kind, sk, c.v, sm);
+    const auto simulation = gpipe::detail::simulate(plan, {1 / v, 2 / v, 1 / v, 1 / v});
+    const double simulated = static_cast<double>(sm) * 3 / simulation.makespan;
+    int64_t peak = 0;
+    for (auto p : simulation.peak_in_flight) peak = std::max(peak, p);
+    const double one = measured_nap(t / v, nap_samples);
+    const double two = measured_nap(2 * t / v, nap_samples);
+    const double real_makespan = gpipe::detail::simulate(plan, {one, two, one, one}).makespan;
+    const double vs_perfect = perfect / measured;
+    sched_rows.push_back({c.name, vs_perfect / bound, vs_perfect, simulated,
+                          real_makespan / measured});
+    sched_table.add({c.name, std::to_string(c.v), bench::fixed(measured * 1e3, 1),
+                     bench::fixed(perfect / bound * 1e3, 1),
+                     bench::fixed(simulation.makespan * t * 1e3, 1), bench::fixed(bound, 3),
+                     bench::fixed(simulated, 3), bench::fixed(vs_perfect, 3),
+                     bench::fixed(vs_perfect / bound, 3),
+                     bench::fixed(real_makespan / measured, 3), bench::fixed(simulation.bubble, 3),
+                     std::to_string(peak)});
+  }
+  sched_table.print();
+  std::printf("\n");
+
   for (const auto& r : rows) {
     std::printf(
         "BENCH sim K=%lld M=%lld efficiency=%.3f speedup=%.2f efficiency_vs_real_cells=%.3f\n",
         static_cast<long long>(r.k), static_cast<long long>(r.m), r.efficiency, r.speedup,
         r.efficiency_real);
+  }
+  for (const auto& r : sched_rows) {
+    std::printf(
+        "BENCH sim schedule=%s K=%lld M=%lld efficiency=%.3f efficiency_vs_perfect=%.3f "
+        "simulated_vs_perfect=%.3f efficiency_vs_real_naps=%.3f\n",
+        r.name.c_str(), static_cast<long long>(sk), static_cast<long long>(sm), r.efficiency,
+        r.vs_perfect, r.simulated, r.vs_real_naps);
   }
   return 0;
 }
