@@ -47,7 +47,7 @@ from torch import Tensor, nn
 import gpipe
 import layers
 from layers import MaskDropout, ReplayError
-from reference import BoundaryCloned, is_input_or_view, needs_cloned
+from reference import BoundaryCloned, _entries, is_input_or_view, needs_cloned
 from reference import as_tuple as _as_tuple
 
 #: float64: absolute. float32: relative to the compared tensor's scale, max(1, max|want|).
@@ -268,11 +268,13 @@ def _backward(out: Any, weights: Sequence[Optional[Tensor]], pool: Dict[str, Ten
 
 
 def _replay_dropout(pipe: nn.Module, refs: Sequence[nn.Module], use_logs: bool,
-                    complete: Optional[int] = None) -> None:
+                    complete: Optional[int] = None) -> Dict[int, Tensor]:
     """Hands the masks the Pipe's dropout layers drew (micro-batch order) to the references.
     ``complete``: the batch's rows, where the Pipe stopped at an error before every micro-batch
     ran its forward (train_step interleaves): the rows it did not reach get fresh masks, so
-    the references raise (or not) as the Pipe's micro-batches did."""
+    the references raise (or not) as the Pipe's micro-batches did. Returns the masks handed
+    over, by layer."""
+    masks = {}
     for i, p in enumerate(pipe):
         if isinstance(p, MaskDropout):
             mask = torch.cat(p.log) if use_logs and p.log else None
@@ -281,7 +283,10 @@ def _replay_dropout(pipe: nn.Module, refs: Sequence[nn.Module], use_logs: bool,
                 mask = torch.cat([mask, torch.nn.functional.dropout(rest, p.p, True)])
             for ref in refs:
                 ref[i].replay = mask
+            if mask is not None:
+                masks[i] = mask
             p.log = []
+    return masks
 
 
 def _compare_grads(pipe: _Side, ref: _Side, mode: str, names: List[str],
@@ -420,8 +425,8 @@ def _check_step(findings: Findings, sides: Tuple[_Side, _Side, _Side], target: T
     p.train_step(target, initial)
     # The Pipe first, so that the references can replay its dropout masks.
     rows = _as_tuple(target)[0].shape[0]
-    _replay_dropout(p.model, (plain.model, cloned.model), use_logs=True,
-                    complete=rows if p.error is not None else None)
+    masks = _replay_dropout(p.model, (plain.model, cloned.model), use_logs=True,
+                            complete=rows if p.error is not None else None)
     with torch.enable_grad():
         plain.forward()
         want = plain
@@ -443,6 +448,10 @@ def _check_step(findings: Findings, sides: Tuple[_Side, _Side, _Side], target: T
             if want is plain:
                 cloned.forward()
             if any(type(e) is type(p.error) for e in cloned.model.first_errors()):
+                return
+            # Or a micro-batch whose forward passed raised in its loss or backward before
+            # another's forward failed (train_step runs them as the schedule interleaves).
+            if type(p.error) in _alone_errors(plain, cloned.model, target, masks):
                 return
     if isinstance(want.error, ReplayError):
         findings.append(Mismatch("output", f"dropout replay: {want.error}", "output:replay"))
@@ -469,6 +478,46 @@ def _check_step(findings: Findings, sides: Tuple[_Side, _Side, _Side], target: T
                                                f"otherwise than {want.name} leaves it)",
                                      "output:input"))
     findings += _compare_grads(p, want, "backward", [], tol)
+
+
+def _alone_errors(plain: _Side, cloned: BoundaryCloned, target: Tensors,
+                  masks: Dict[int, Tensor]) -> List[type]:
+    """The error types of the whole steps of each micro-batch whose forward passed in
+    ``cloned`` (after its forward): that micro-batch alone, as a one-micro-batch
+    boundary-cloned copy of the plain model, its step_loss scaled by rows_i / rows as the
+    Pipe's, then backward (dropout replaying its rows of ``masks``)."""
+    failed = {i for i, _, _ in cloned.errors}
+    callers = _as_tuple(plain.x)
+    dims = _entries(cloned.in_dims, len(callers))
+    targets = _as_tuple(target)
+    rows = targets[0].shape[0]
+    m = min(cloned.chunks, rows)
+    balance = [len(stage) for stage in cloned.stages]
+    found, offset = [], 0
+    for i in range(m):
+        t_i = tuple(t.tensor_split(m)[i] for t in targets)
+        n = t_i[0].shape[0]
+        offset, start = offset + n, offset
+        if i in failed:
+            continue
+        x_i = tuple(t if d is None else t.tensor_split(m, dim=d)[i]
+                    for t, d in zip(callers, dims))
+        model = BoundaryCloned(copy.deepcopy(plain.model), balance, 1, cloned.checkpoint,
+                               cloned.in_dims, cloned.out_dims)
+        model.train(plain.model.training)
+        for k, mask in masks.items():
+            model[k].replay = mask[start:start + n] if mask.shape[0] == rows else mask
+        alone = _Side(model, x_i if isinstance(plain.x, tuple) else x_i[0], "", "")
+
+        def step() -> None:
+            out = model(alone.x)
+            (step_loss(out, t_i if isinstance(target, tuple) else t_i[0]) * (n / rows)).backward()
+
+        with torch.enable_grad():
+            _, error = _attempt(step)
+        if error is not None:
+            found.append(type(error))
+    return found
 
 
 # -- running a configuration -----------------------------------------------------------------

@@ -183,7 +183,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        if c in summary.by_category)
     print(f"fuzz: by category: {counts or 'none'}; {summary.skipped} skipped by --without/--with; "
           f"{summary.seconds:.1f} s")
-    steps = ", ".join(f"{v} {n}" for v, n in summary.steps.items())
+    steps = ", ".join(f"{v} {summary.steps[v]}" for v in ("train_step",) + SCHEDULES
+                      + ("virtual_stages",) if v in summary.steps)
     print(f"fuzz: train_step: {steps or 'none'} (configurations; the rest ran forward and "
           f"backward)")
     variants = ", ".join(f"{v} {n}" for v, n in summary.batch_dims.items())

@@ -143,6 +143,30 @@ def test_train_step_is_compared_with_the_plain_step():
         assert found["value", schedule] == {"output:loss"}
 
 
+def test_a_step_error_may_come_from_an_earlier_micro_batch_s_loss():
+    """Seed 6539: micro-batch 0 passes RaiseIf but its loss requires no grad (the Pipe raises
+    that RuntimeError in the loss phase, before micro-batch 1's forward trips RaiseIf, which
+    the plain model raises first): allowed, as running micro-batch 0 alone raises it too. Any
+    other error is a mismatch."""
+    fuzz = load_fuzz()
+    from compare import check  # noqa: E402
+
+    x = torch.tensor([[0.5, 0.5], [0.5, 0.5], [5.0, 0.5], [0.5, 0.5]], dtype=torch.float64)
+    target = torch.ones(4, 2, dtype=torch.float64)
+    for wrong in (False, True):
+        model = nn.Sequential(fuzz.RaiseIf(1.5))
+        ref = copy.deepcopy(model)
+        pipe = gpipe.Pipe(model, balance=[1], devices=["cpu"], chunks=2, checkpoint="never",
+                          schedule="zb_h1")
+        if wrong:
+            def train_step(*args):
+                raise ValueError("not what the plain model raises")
+            pipe.train_step = train_step
+        kinds = [m.kind for m in check(pipe, ref, x, target=target)]
+        assert kinds == (["exception:train_step:pipe=ValueError:plain=FuzzError"] if wrong
+                         else []), wrong
+
+
 def test_inplace_refusals_are_compared_against_the_boundary_cloned_model():
     """The plain model refuses in-place work that gpipe's stage hand-over allows on purpose: the
     fuzzer compares those runs in full against the boundary-cloned model, and says so."""
