@@ -28,8 +28,11 @@ purpose; each is compared against what the rule says, never skipped silently:
   may be that of any cell :meth:`reference.BoundaryCloned.first_errors`
   allows (e.g. a row-wise RaiseIf that only the second micro-batch trips, in
   front of a wrong-shaped Linear that the first one reaches). Under
-  train_step the same holds for a forward error; a micro-batch's backward may
-  also come before a later micro-batch's forward (1F1B and the like).
+  train_step a micro-batch's loss and backward may also come before a later
+  micro-batch's forward (all schedules compute a loss right after its
+  forward): the Pipe's error may also be of a type that the whole step of a
+  micro-batch whose forward passes raises, run alone (the plain model's loss,
+  say, requires no grad for the rows that pass a RaiseIf: seed 6539).
 * Under ``torch.no_grad()`` the Pipe's outputs are fresh tensors and never
   require grad (csrc/engine.cpp: without grad mode nothing is kept), while the
   plain model may return one of its inputs, or a view of one, which does: only
@@ -157,8 +160,7 @@ class _Side:
 
     def backward(self, weights: Sequence[Optional[Tensor]], mode: str, names: List[str],
                  initial: Dict[str, Optional[Tensor]]) -> None:
-        for n, t in self.targets.items():  # a shared closure W holds another side's grad
-            t.grad = _clone(initial[n])
+        self._reset(initial)
         self.returned, self.error = _attempt(
             lambda: _backward(self.out, weights, self.pool(), mode, names))
         self.grads = {n: _clone(t.grad) for n, t in self.pool().items()}
