@@ -6,6 +6,13 @@ forward, input grads, returned grads, every parameter's and external tensor's
 ``.grad`` (also where the plain model leaves it alone) and exceptions are
 compared. Tolerance: :data:`TOL`.
 
+Given a ``target``, :func:`check` runs the training step instead:
+``pipe.train_step(inputs, target, step_loss)`` (the Pipe's schedule) against
+``step_loss(ref(inputs), target).backward()``; the returned loss (which must
+be detached), the caller's inputs afterwards, every ``.grad`` and exceptions
+are compared as above (outputs are not returned). :func:`step_loss` is a
+mean over the micro-batch's rows, as train_step requires.
+
 Two documented gpipe rules make the Pipe differ from the plain model on
 purpose; each is compared against what the rule says, never skipped silently:
 
@@ -20,7 +27,12 @@ purpose; each is compared against what the rule says, never skipped silently:
   whole-batch layer order: when both raise, but different types, the Pipe's
   may be that of any cell :meth:`reference.BoundaryCloned.first_errors`
   allows (e.g. a row-wise RaiseIf that only the second micro-batch trips, in
-  front of a wrong-shaped Linear that the first one reaches).
+  front of a wrong-shaped Linear that the first one reaches). Under
+  train_step a micro-batch's loss and backward may also come before a later
+  micro-batch's forward (all schedules compute a loss right after its
+  forward): the Pipe's error may also be of a type that the whole step of a
+  micro-batch whose forward passes raises, run alone (the plain model's loss,
+  say, requires no grad for the rows that pass a RaiseIf: seed 6539).
 * Under ``torch.no_grad()`` the Pipe's outputs are fresh tensors and never
   require grad (csrc/engine.cpp: without grad mode nothing is kept), while the
   plain model may return one of its inputs, or a view of one, which does: only
@@ -38,7 +50,7 @@ from torch import Tensor, nn
 import gpipe
 import layers
 from layers import MaskDropout, ReplayError
-from reference import BoundaryCloned, is_input_or_view, needs_cloned
+from reference import BoundaryCloned, _entries, is_input_or_view, needs_cloned
 from reference import as_tuple as _as_tuple
 
 #: float64: absolute. float32: relative to the compared tensor's scale, max(1, max|want|).
@@ -137,6 +149,7 @@ class _Side:
         self.error: Optional[BaseException] = None
         self.returned: Dict[str, Tensor] = {}
         self.grads: Dict[str, Optional[Tensor]] = {}
+        self.loss: Optional[Tensor] = None  # train_step's references: the detached step_loss
 
     def pool(self) -> Dict[str, Tensor]:
         """What a run may ask grads of: the inputs, then the grad targets."""
@@ -147,10 +160,34 @@ class _Side:
 
     def backward(self, weights: Sequence[Optional[Tensor]], mode: str, names: List[str],
                  initial: Dict[str, Optional[Tensor]]) -> None:
-        for n, t in self.targets.items():  # a shared closure W holds another side's grad
-            t.grad = _clone(initial[n])
+        self._reset(initial)
         self.returned, self.error = _attempt(
             lambda: _backward(self.out, weights, self.pool(), mode, names))
+        self.grads = {n: _clone(t.grad) for n, t in self.pool().items()}
+
+    def _reset(self, initial: Dict[str, Optional[Tensor]]) -> None:
+        for n, t in self.targets.items():  # a shared closure W holds another side's grad
+            t.grad = _clone(initial[n])
+
+    def train_step(self, target: Tensors, initial: Dict[str, Optional[Tensor]]) -> None:
+        """The Pipe's side: forward, loss and backward in one call; ``out`` is the loss."""
+        self._reset(initial)
+        with torch.enable_grad():
+            self.out, self.error = _attempt(
+                lambda: self.model.train_step(self.x, target, step_loss))
+        self.grads = {n: _clone(t.grad) for n, t in self.pool().items()}
+
+    def loss_backward(self, target: Tensors, initial: Dict[str, Optional[Tensor]]) -> None:
+        """A reference's side after :meth:`forward`: ``loss``, its detached step_loss, then
+        ``loss.backward()``."""
+        self._reset(initial)
+
+        def run() -> Tensor:
+            loss = step_loss(self.out, target)
+            loss.backward()
+            return loss.detach()
+
+        self.loss, self.error = _attempt(run)
         self.grads = {n: _clone(t.grad) for n, t in self.pool().items()}
 
 
@@ -208,6 +245,16 @@ def _loss(out: Any, weights: Sequence[Optional[Tensor]]) -> Tensor:
     return torch.stack(terms).sum()
 
 
+def step_loss(out: Any, target: Tensors) -> Tensor:
+    """train_step's loss_fn: sum(output * target) over the float outputs (one target tensor per
+    float output, in order), divided by the micro-batch's rows (the target's along dim 0): a
+    mean over rows, so the Pipe's rows_i/rows scaling gives the plain model's loss."""
+    floats = [o for o in _as_tuple(out) if o.is_floating_point()]
+    targets = _as_tuple(target)
+    terms = [(o * t).sum() for o, t in zip(floats, targets)]
+    return torch.stack(terms).sum() / targets[0].shape[0]
+
+
 def _backward(out: Any, weights: Sequence[Optional[Tensor]], pool: Dict[str, Tensor], mode: str,
               names: List[str]) -> Dict[str, Tensor]:
     """Asks for grads the way ``mode`` says; returns what autograd.grad returned, by name."""
@@ -222,13 +269,26 @@ def _backward(out: Any, weights: Sequence[Optional[Tensor]], pool: Dict[str, Ten
     return {}
 
 
-def _replay_dropout(pipe: nn.Module, refs: Sequence[nn.Module], use_logs: bool) -> None:
-    """Hands the masks the Pipe's dropout layers drew (micro-batch order) to the references."""
+def _replay_dropout(pipe: nn.Module, refs: Sequence[nn.Module], use_logs: bool,
+                    complete: Optional[int] = None) -> Dict[int, Tensor]:
+    """Hands the masks the Pipe's dropout layers drew (micro-batch order) to the references.
+    ``complete``: the batch's rows, where the Pipe stopped at an error before every micro-batch
+    ran its forward (train_step interleaves): the rows it did not reach get fresh masks, so
+    the references raise (or not) as the Pipe's micro-batches did. Returns the masks handed
+    over, by layer."""
+    masks = {}
     for i, p in enumerate(pipe):
         if isinstance(p, MaskDropout):
+            mask = torch.cat(p.log) if use_logs and p.log else None
+            if mask is not None and complete is not None and mask.shape[0] < complete:
+                rest = torch.ones((complete - mask.shape[0],) + mask.shape[1:], dtype=mask.dtype)
+                mask = torch.cat([mask, torch.nn.functional.dropout(rest, p.p, True)])
             for ref in refs:
-                ref[i].replay = torch.cat(p.log) if use_logs and p.log else None
+                ref[i].replay = mask
+            if mask is not None:
+                masks[i] = mask
             p.log = []
+    return masks
 
 
 def _compare_grads(pipe: _Side, ref: _Side, mode: str, names: List[str],
@@ -258,10 +318,12 @@ def _compare_grads(pipe: _Side, ref: _Side, mode: str, names: List[str],
 
 def check(pipe: nn.Module, ref: nn.Sequential, inputs: Tensors, *, training: bool = True,
           no_grad: bool = False, backward: str = "backward", pre_grad: bool = False,
-          tol: float = 1e-10, seed: int = 0) -> Findings:
+          tol: float = 1e-10, seed: int = 0, target: Optional[Tensors] = None) -> Findings:
     """Runs ``inputs`` through ``pipe`` and through ``ref`` (the plain copy, unused so far)
     forward and, unless ``no_grad``, backward as ``backward`` says, and lists every difference
-    (against the boundary-cloned model where the module docstring says)."""
+    (against the boundary-cloned model where the module docstring says). With a ``target``:
+    ``pipe.train_step(inputs, target, step_loss)`` against the plain model's step (``no_grad``
+    and ``backward`` do not apply)."""
     findings = Findings()
     balance = getattr(pipe, "balance", [len(ref)])
     chunks = getattr(pipe, "chunks", 1)
@@ -287,6 +349,9 @@ def check(pipe: nn.Module, ref: nn.Sequential, inputs: Tensors, *, training: boo
                 for side in sides:
                     side.targets[name].grad = g.clone()
     initial = {n: _clone(t.grad) for n, t in p.targets.items()}
+    if target is not None:
+        _check_step(findings, sides, target, initial, tol, chunks)
+        return findings
 
     # Forward: the Pipe first, so that the references can replay its dropout masks.
     with torch.set_grad_enabled(not no_grad):
@@ -352,6 +417,109 @@ def check(pipe: nn.Module, ref: nn.Sequential, inputs: Tensors, *, training: boo
         return findings
     findings += _compare_grads(p, want, backward, names, tol)
     return findings
+
+
+def _check_step(findings: Findings, sides: Tuple[_Side, _Side, _Side], target: Tensors,
+                initial: Dict[str, Optional[Tensor]], tol: float, chunks: int) -> None:
+    """:func:`check` with a target: the Pipe's train_step against the references' forward,
+    :func:`step_loss` and ``loss.backward()``; adds the differences to ``findings``."""
+    p, plain, cloned = sides
+    p.train_step(target, initial)
+    # The Pipe first, so that the references can replay its dropout masks.
+    rows = _as_tuple(target)[0].shape[0]
+    masks = _replay_dropout(p.model, (plain.model, cloned.model), use_logs=True,
+                            complete=rows if p.error is not None else None)
+    with torch.enable_grad():
+        plain.forward()
+        want = plain
+        if needs_cloned(p.error, plain.error):
+            findings.reference, want = "forward", cloned
+            cloned.forward()
+        forward_error = want.error
+        if forward_error is None:
+            want.loss_backward(target, initial)
+            if want is plain and needs_cloned(p.error, plain.error):
+                # As in check: the plain backward refused what the Pipe's recompute regenerates.
+                findings.reference, want = "backward", cloned
+                cloned.forward()
+                if cloned.error is None:
+                    cloned.loss_backward(target, initial)
+        if (p.error is not None and forward_error is not None and chunks > 1
+                and type(p.error) is not type(forward_error)):
+            # Which cell raises first differs from the plain model's layer order (docstring).
+            if want is plain:
+                cloned.forward()
+            if any(type(e) is type(p.error) for e in cloned.model.first_errors()):
+                return
+            # Or a micro-batch whose forward passed raised in its loss or backward before
+            # another's forward failed (train_step runs them as the schedule interleaves).
+            if type(p.error) in _alone_errors(plain, cloned.model, target, masks):
+                return
+    if isinstance(want.error, ReplayError):
+        findings.append(Mismatch("output", f"dropout replay: {want.error}", "output:replay"))
+        return
+    findings += _exception_mismatch("train_step", p.error, want, want.error)
+    if p.error is not None or want.error is not None:
+        return
+    loss = p.out
+    if not isinstance(loss, Tensor):
+        findings.append(Mismatch("output", f"train_step returned {type(loss).__name__}, not a "
+                                           f"tensor", "output:loss"))
+        return
+    d = _diff(loss, want.loss, tol, want.name)
+    if d:
+        findings.append(Mismatch("output", f"train_step's loss: {d}", "output:loss"))
+    if loss.requires_grad or loss.grad_fn is not None:
+        findings.append(Mismatch("requires_grad", "train_step's loss is not detached "
+                                                  f"(requires_grad {loss.requires_grad})",
+                                 "requires_grad:loss"))
+    for k, (a, b) in enumerate(zip(_as_tuple(p.x), _as_tuple(want.x))):
+        d = _diff(a, b, tol, want.name)  # an in-place first layer may modify the caller's input
+        if d:
+            findings.append(Mismatch("output", f"input {k} after train_step: {d} (left "
+                                               f"otherwise than {want.name} leaves it)",
+                                     "output:input"))
+    findings += _compare_grads(p, want, "backward", [], tol)
+
+
+def _alone_errors(plain: _Side, cloned: BoundaryCloned, target: Tensors,
+                  masks: Dict[int, Tensor]) -> List[type]:
+    """The error types of the whole steps of each micro-batch whose forward passed in
+    ``cloned`` (after its forward): that micro-batch alone, as a one-micro-batch
+    boundary-cloned copy of the plain model, its step_loss scaled by rows_i / rows as the
+    Pipe's, then backward (dropout replaying its rows of ``masks``)."""
+    failed = {i for i, _, _ in cloned.errors}
+    callers = _as_tuple(plain.x)
+    dims = _entries(cloned.in_dims, len(callers))
+    targets = _as_tuple(target)
+    rows = targets[0].shape[0]
+    m = min(cloned.chunks, rows)
+    balance = [len(stage) for stage in cloned.stages]
+    found, offset = [], 0
+    for i in range(m):
+        t_i = tuple(t.tensor_split(m)[i] for t in targets)
+        n = t_i[0].shape[0]
+        offset, start = offset + n, offset
+        if i in failed:
+            continue
+        x_i = tuple(t if d is None else t.tensor_split(m, dim=d)[i]
+                    for t, d in zip(callers, dims))
+        model = BoundaryCloned(copy.deepcopy(plain.model), balance, 1, cloned.checkpoint,
+                               cloned.in_dims, cloned.out_dims)
+        model.train(plain.model.training)
+        for k, mask in masks.items():
+            model[k].replay = mask[start:start + n] if mask.shape[0] == rows else mask
+        alone = _Side(model, x_i if isinstance(plain.x, tuple) else x_i[0], "", "")
+
+        def step() -> None:
+            out = model(alone.x)
+            (step_loss(out, t_i if isinstance(target, tuple) else t_i[0]) * (n / rows)).backward()
+
+        with torch.enable_grad():
+            _, error = _attempt(step)
+        if error is not None:
+            found.append(type(error))
+    return found
 
 
 # -- running a configuration -----------------------------------------------------------------

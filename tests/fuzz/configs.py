@@ -10,9 +10,19 @@ train/eval, ``torch.no_grad()``, and how gradients are asked for
 (``loss.backward()``, ``torch.autograd.grad`` of the inputs or of the
 parameters, ``backward(inputs=...)``), and the Pipe's ``batch_dim`` /
 ``output_batch_dim`` (inputs and outputs with the batch at dim 1, an input not
-cut, an output not joined: :func:`_batch_dims`). :meth:`Config.body` is the Python that
-builds it and calls :func:`compare.check`; :func:`shrink` simplifies a failing
-one while the same kind of mismatch remains.
+cut, an output not joined: :func:`_batch_dims`). About a third of the
+configurations run the whole training step inside the pipeline instead
+(``pipe.train_step(x, target, loss_fn)`` under one of the four schedules,
+``'interleaved_1f1b'`` also with 2 or 3 virtual stages per device:
+:func:`_train_step`). :meth:`Config.body` is the Python that builds it and
+calls :func:`compare.check`; :func:`shrink` simplifies a failing one while the
+same kind of mismatch remains (keeping its schedule).
+
+Each option added since the first version (the batch dim variants, train_step)
+is drawn from its own generator, seeded by the seed and the option's name, so
+the configurations of existing seeds stay as they were: a seed that draws no
+variant and no train_step runs exactly the model and configuration it ran
+before.
 """
 import random
 from dataclasses import dataclass, field, replace
@@ -22,6 +32,11 @@ from compare import TOL, Hang, Mismatch, run_config
 
 MODES = ("always", "except_last", "never")
 BACKWARDS = ("backward", "grad_inputs", "grad_params", "backward_inputs", "backward_subset")
+#: train_step's schedules (gpipe.Pipe's ``schedule``).
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+#: The share of configurations whose outputs are joined along dim 0 (about 4 in 5) run with
+#: train_step (about a third of all), and of the interleaved ones with 2 or 3 virtual stages.
+STEP_ODDS, VIRTUAL_ODDS = 0.44, 0.6
 
 
 @dataclass
@@ -82,6 +97,11 @@ class Config:
     #: The Pipe's batch_dim and output_batch_dim (None: not passed, the default).
     batch_dim: Any = 0
     output_batch_dim: Any = None
+    #: None: forward, then backward as ``backward`` says; a schedule name: the Pipe is built
+    #: with that schedule and runs ``pipe.train_step`` (see :func:`_train_step`).
+    step: Optional[str] = None
+    #: Stages per device (interleaved_1f1b): ``len(balance) // virtual_stages`` devices.
+    virtual_stages: int = 1
 
     def summary(self) -> str:
         inputs = ", ".join(("mask" if s.kind == "mask" else
@@ -90,8 +110,33 @@ class Config:
         return (f"layers=[{', '.join(s.short() for s in self.layers)}] balance={self.balance} "
                 f"chunks={self.chunks} checkpoint={self.checkpoint} dtype={self.dtype} "
                 f"inputs=({inputs}){self._dims_args()} {'train' if self.training else 'eval'}"
-                f"{' no_grad' if self.no_grad else ''} backward={self.backward}"
+                f"{' no_grad' if self.no_grad else ''} "
+                f"{f'train_step={self.step}' if self.step else f'backward={self.backward}'}"
+                f"{f' virtual_stages={self.virtual_stages}' if self.virtual_stages > 1 else ''}"
                 f"{' pre_grad' if self.pre_grad else ''}")
+
+    def workers(self) -> int:
+        """Devices of the Pipe: one per stage, or per ``virtual_stages`` stages."""
+        return len(self.balance) // self.virtual_stages
+
+    def _step_args(self) -> str:
+        """The Pipe's schedule arguments (none without train_step)."""
+        if not self.step:
+            return ""
+        text = f", schedule={self.step!r}"
+        return text + (f", virtual_stages={self.virtual_stages}" if self.virtual_stages > 1
+                       else "")
+
+    def target_expr(self) -> str:
+        """train_step's target: one random weight per element of each float output (the
+        outputs' rows at dim 0), drawn after the inputs; the loss (:func:`compare.step_loss`)
+        is sum(output * target) over them, divided by the micro-batch's rows."""
+        sig = self.layers[-1].sig_out
+        shapes = {"flat": [sig[1:2]], "seq": [sig[1:3]], "pair": [sig[1:2], sig[2:3]],
+                  "masked": [sig[1:2]]}[sig[0]]
+        exprs = [f"torch.randn({', '.join(map(str, (self.rows,) + tuple(s)))}, dtype=dtype, "
+                 f"generator=g)" for s in shapes]
+        return exprs[0] if len(exprs) == 1 else f"({', '.join(exprs)})"
 
     def _dims_args(self) -> str:
         """The Pipe's batch dim arguments, as passed (none where the defaults are used)."""
@@ -104,19 +149,26 @@ class Config:
         """The reproduction: builds model, Pipe and inputs, then runs :func:`check`."""
         lines = [f"dtype = torch.{self.dtype}", f"torch.manual_seed({self.seed})", "layers = []"]
         lines += [f"layers.append({s.expr()})  # {i}" for i, s in enumerate(self.layers)]
-        k = len(self.balance)
+        k = self.workers()
         inputs = [s.expr(self.rows) for s in self.inputs]
         lines += [
             "model = nn.Sequential(*layers)",
             "ref = copy.deepcopy(model)",
             f"pipe = gpipe.Pipe(model, balance={self.balance}, devices=['cpu'] * {k}, "
-            f"chunks={self.chunks}, checkpoint={self.checkpoint!r}{self._dims_args()})",
+            f"chunks={self.chunks}, checkpoint={self.checkpoint!r}{self._dims_args()}"
+            f"{self._step_args()})",
             f"g = torch.Generator().manual_seed({self.seed})",
             f"inputs = {inputs[0]}" if len(inputs) == 1 else f"inputs = ({', '.join(inputs)})",
-            f"mismatches = check(pipe, ref, inputs, training={self.training}, "
-            f"no_grad={self.no_grad}, backward={self.backward!r}, pre_grad={self.pre_grad}, "
-            f"tol={TOL[self.dtype]}, seed={self.seed})",
         ]
+        if self.step:  # pipe.train_step(inputs, target, step_loss) vs the plain model's
+            lines += [f"target = {self.target_expr()}",
+                      f"mismatches = check(pipe, ref, inputs, target=target, "
+                      f"training={self.training}, pre_grad={self.pre_grad}, "
+                      f"tol={TOL[self.dtype]}, seed={self.seed})"]
+        else:
+            lines.append(f"mismatches = check(pipe, ref, inputs, training={self.training}, "
+                         f"no_grad={self.no_grad}, backward={self.backward!r}, "
+                         f"pre_grad={self.pre_grad}, tol={TOL[self.dtype]}, seed={self.seed})")
         return "\n".join(lines) + "\n"
 
     def snippet(self) -> str:
@@ -240,8 +292,12 @@ def features_of(cfg: Config) -> List[str]:
     """Names --without can exclude: layer kinds, 'frozen', 'inplace-first' (an in-place ReLU
     opens a stage), 'tuple-input', 'float32', 'eval', 'no_grad', 'pre_grad', the backward and
     checkpoint modes; 'batch_dim' (the Pipe gets batch_dim or output_batch_dim), and the batch
-    dim variants 'batch-second', 'batch-out', 'shared-input', 'tagged-output' (layer kinds)."""
-    found = {s.kind for s in cfg.layers} | {cfg.backward, cfg.checkpoint}
+    dim variants 'batch-second', 'batch-out', 'shared-input', 'tagged-output' (layer kinds);
+    'train_step' with the schedule's name ('gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1') and
+    'virtual_stages' (more than one stage per device) in place of the backward mode."""
+    found = {s.kind for s in cfg.layers} | {cfg.checkpoint}
+    found |= {"train_step", cfg.step} if cfg.step else {cfg.backward}
+    found |= {"virtual_stages"} if cfg.virtual_stages > 1 else set()
     starts = {sum(cfg.balance[:j]) for j in range(len(cfg.balance))}
     found |= {"frozen"} if any(s.frozen for s in cfg.layers) else set()
     found |= {"inplace-first"} if any(cfg.layers[i].kind == "inplace" for i in starts) else set()
@@ -371,7 +427,41 @@ def generate(seed: int) -> Config:
                  rows=rng.randint(1, 8), inputs=inputs, training=rng.random() < 0.8,
                  no_grad=rng.random() < 0.12, backward=backward, pre_grad=rng.random() < 0.25,
                  batch_dim=batch_dim, output_batch_dim=output_batch_dim)
+    cfg = _train_step(seed, cfg)
     cfg.features = features_of(cfg)
+    return cfg
+
+
+def _joined_at_0(cfg: Config) -> bool:
+    """Whether every output of the Pipe is joined along dim 0 (train_step cuts the target
+    along dim 0 and the loss is a mean over the output rows there)."""
+    dims = cfg.output_batch_dim
+    if dims is None:  # the default: batch_dim, or its first entry that is not None
+        dims = cfg.batch_dim if isinstance(cfg.batch_dim, int) else next(
+            d for d in cfg.batch_dim if d is not None)
+    return all(d == 0 for d in (dims if isinstance(dims, (list, tuple)) else [dims]))
+
+
+def _train_step(seed: int, cfg: Config) -> Config:
+    """Now and then ``cfg`` as a train_step configuration: a schedule, for interleaved_1f1b
+    maybe 2 or 3 virtual stages per device (a balance of v x W stages drawn anew), the plain
+    ``backward`` and grad mode (train_step's reference is ``loss.backward()``). Only where the
+    outputs are joined along dim 0 (not batch-out, not tagged-output)."""
+    # Its own generator, drawn in full whatever the configuration: see the module docstring.
+    rng = random.Random(f"train step {seed}")
+    chosen = rng.random() < STEP_ODDS
+    schedule = rng.choice(SCHEDULES)
+    v = rng.choice([2, 3]) if rng.random() < VIRTUAL_ODDS else 1
+    if not chosen or not _joined_at_0(cfg):
+        return cfg
+    cfg = replace(cfg, step=schedule, backward="backward", no_grad=False)
+    n = len(cfg.layers)
+    if schedule == "interleaved_1f1b" and min(v, n) > 1:
+        v = min(v, n)
+        k = v * rng.randint(1, min(3, n // v))
+        cuts = sorted(rng.sample(range(1, n), k - 1))
+        cfg = replace(cfg, balance=[b - a for a, b in zip([0] + cuts, cuts + [n])],
+                      virtual_stages=v)
     return cfg
 
 
@@ -388,8 +478,11 @@ def _smaller(cfg: Config) -> Iterable[Config]:
         if len(cfg.layers) > 1 and s.sig_in == s.sig_out and all(t.ref != i for t in cfg.layers):
             yield _without_layer(cfg, i)
     for j in range(len(cfg.balance) - 1):  # merge two neighbouring stages
-        yield replace(cfg, balance=cfg.balance[:j] + [cfg.balance[j] + cfg.balance[j + 1]]
-                      + cfg.balance[j + 2:])
+        yield _fit(replace(cfg, balance=cfg.balance[:j] + [cfg.balance[j] + cfg.balance[j + 1]]
+                           + cfg.balance[j + 2:]))
+    for v in range(1, cfg.virtual_stages):  # fewer stages per device, more devices
+        if len(cfg.balance) % v == 0:
+            yield replace(cfg, virtual_stages=v)
     for chunks in range(1, cfg.chunks):
         yield replace(cfg, chunks=chunks)
     for rows in range(1, cfg.rows):
@@ -415,7 +508,14 @@ def _without_layer(cfg: Config, i: int) -> Config:
     for b in cfg.balance:
         balance.append(b - (start <= i < start + b))
         start += b
-    return replace(cfg, layers=layers, balance=[b for b in balance if b > 0])
+    return _fit(replace(cfg, layers=layers, balance=[b for b in balance if b > 0]))
+
+
+def _fit(cfg: Config) -> Config:
+    """``cfg`` with as many virtual stages per device as still divide its stages (at most as
+    many as before): interleaved_1f1b needs v entries of the balance per device."""
+    v = max(d for d in range(1, cfg.virtual_stages + 1) if len(cfg.balance) % d == 0)
+    return replace(cfg, virtual_stages=v)
 
 
 def shrink(cfg: Config, found: Mismatch, timeout: float,

@@ -3,7 +3,12 @@
 For each seed it draws a random model and configuration (:mod:`configs`), runs
 the model as ``gpipe.Pipe(model, balance=..., devices=['cpu'] * K, ...)`` and
 as a deep copy of the plain Sequential, and compares everything observable
-(:mod:`compare`; the layer kinds are in :mod:`layers`). Where the plain model
+(:mod:`compare`; the layer kinds are in :mod:`layers`). About a third of the
+configurations run the training step inside the pipeline instead,
+``pipe.train_step(x, target, loss_fn)`` under one of the schedules 'gpipe',
+'1f1b', 'interleaved_1f1b' (also with 2 or 3 virtual stages per device) and
+'zb_h1', against ``loss_fn(model(x), target).backward()``: the returned loss,
+every grad and exceptions are compared. Where the plain model
 refuses an in-place operation that gpipe's stage hand-over allows on purpose,
 the Pipe is compared against the boundary-cloned model instead; the last line
 counts those configurations.
@@ -14,6 +19,7 @@ Usage (from the repository root, gpipe installed)::
     python3 tests/fuzz/fuzz.py --seed 17               # one seed, with a runnable reproduction
     python3 tests/fuzz/fuzz.py --seeds 0:500 --only-category grad,exception
     python3 tests/fuzz/fuzz.py --seeds 0:500 --without external,closure,cond-dropout
+    python3 tests/fuzz/fuzz.py --seeds 0:5000 --with zb_h1   # only train_step under zb_h1
     python3 tests/fuzz/fuzz.py --seeds 0:50 --verbose  # every config, snippets for failures
 
 Output: for every failing configuration one line per mismatch category::
@@ -28,7 +34,9 @@ configuration as a standalone Python snippet (it imports :mod:`layers` and
 mismatches (C compared against the boundary-cloned model)`` (M counts
 configuration x category); the exit code is 1 when M > 0. The line before
 it counts the configurations run with each batch dim variant (the Pipe given
-``batch_dim`` / ``output_batch_dim``; see ``configs._batch_dims``).
+``batch_dim`` / ``output_batch_dim``; see ``configs._batch_dims``), and the
+one before that those run with train_step, by schedule ('virtual_stages':
+interleaved with more than one stage per device; see ``configs._train_step``).
 
 Categories: ``exception`` (one side raises and the other does not, or the
 types differ), ``output`` (values, shapes, dtypes or tuple structure, or the
@@ -53,7 +61,7 @@ if HERE not in sys.path:  # the fuzzer's modules: layers, reference, compare, co
     sys.path.insert(0, HERE)
 
 from compare import CATEGORIES, Hang, check, run_config  # noqa: E402,F401 - check: re-exported
-from configs import BATCH_DIM_ODDS, generate, shrink  # noqa: E402
+from configs import BATCH_DIM_ODDS, SCHEDULES, generate, shrink  # noqa: E402
 from layers import *  # noqa: E402,F401,F403 - re-exported for older reproductions
 
 
@@ -67,25 +75,30 @@ class Summary:
     by_category: Dict[str, int] = field(default_factory=dict)
     #: Configurations run with each batch dim variant (see configs.BATCH_DIM_ODDS).
     batch_dims: Dict[str, int] = field(default_factory=dict)
+    #: Configurations run with train_step, by schedule (and 'virtual_stages').
+    steps: Dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
 
 def run(seeds: Iterable[int], *, only: Sequence[str] = (), skip: Sequence[str] = (),
-        without: Sequence[str] = (), do_shrink: bool = True, verbose: bool = False,
-        snippets: bool = False, timeout: float = 60.0,
+        without: Sequence[str] = (), needs: Sequence[str] = (), do_shrink: bool = True,
+        verbose: bool = False, snippets: bool = False, timeout: float = 60.0,
         write: Callable[[str], None] = print) -> Summary:
     """Fuzzes ``seeds``; writes a line per (configuration, category) mismatch; returns counts."""
     summary = Summary()
     started = time.perf_counter()
     for seed in seeds:
         cfg = generate(seed)
-        if set(without) & set(cfg.features):
+        if set(without) & set(cfg.features) or not set(needs) <= set(cfg.features):
             summary.skipped += 1
             continue
         summary.configurations += 1
         for variant in ("batch_dim",) + tuple(BATCH_DIM_ODDS):
             if variant in cfg.features:
                 summary.batch_dims[variant] = summary.batch_dims.get(variant, 0) + 1
+        for variant in ("train_step",) + SCHEDULES + ("virtual_stages",):
+            if variant in cfg.features:
+                summary.steps[variant] = summary.steps.get(variant, 0) + 1
         if verbose:
             write(f"seed {seed}: {cfg.summary()}")
         try:
@@ -141,7 +154,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="skip configurations with any of these features (layer kinds such "
                              "as external, closure, buffer, tied, cond-dropout, dropout, inplace, "
                              "raise; frozen, inplace-first, tuple-input, float32, eval, no_grad, "
-                             "pre_grad; backward modes; checkpoint modes)")
+                             "pre_grad; backward modes; checkpoint modes; train_step, its "
+                             "schedules gpipe, 1f1b, interleaved_1f1b, zb_h1, virtual_stages)")
+    parser.add_argument("--with", dest="needs", default="",
+                        help="run only configurations with all of these features (as --without "
+                             "names them), e.g. train_step or zb_h1")
     parser.add_argument("--no-shrink", action="store_true", help="report configurations as drawn")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per configuration")
     parser.add_argument("--verbose", action="store_true",
@@ -156,15 +173,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.seed is not None:
         print(f"seed {args.seed}: {generate(args.seed).summary()}")
     summary = run(seeds, only=split(args.only_category), skip=split(args.skip_category),
-                  without=split(args.without), do_shrink=not args.no_shrink,
+                  without=split(args.without), needs=split(args.needs),
+                  do_shrink=not args.no_shrink,
                   verbose=args.verbose, snippets=args.verbose or args.seed is not None,
                   timeout=args.timeout, write=lambda line: print(line, flush=True))
     if args.seed is not None and not summary.mismatches:
         print(f"--- seed {args.seed} as a snippet\n{generate(args.seed).snippet()}---")
     counts = ", ".join(f"{c} {summary.by_category[c]}" for c in CATEGORIES
                        if c in summary.by_category)
-    print(f"fuzz: by category: {counts or 'none'}; {summary.skipped} skipped by --without; "
+    print(f"fuzz: by category: {counts or 'none'}; {summary.skipped} skipped by --without/--with; "
           f"{summary.seconds:.1f} s")
+    steps = ", ".join(f"{v} {summary.steps[v]}" for v in ("train_step",) + SCHEDULES
+                      + ("virtual_stages",) if v in summary.steps)
+    print(f"fuzz: train_step: {steps or 'none'} (configurations; the rest ran forward and "
+          f"backward)")
     variants = ", ".join(f"{v} {n}" for v, n in summary.batch_dims.items())
     print(f"fuzz: batch dims: {variants or 'none'} (configurations; 'batch_dim': the Pipe got "
           f"batch_dim or output_batch_dim)")

@@ -53,6 +53,36 @@ def test_fixed_seeds_draw_the_batch_dim_variants():
     assert all(drawn[v] >= 5 for v in fuzz.BATCH_DIM_ODDS), drawn
 
 
+def test_fixed_seeds_draw_every_train_step_schedule():
+    """The fixed range runs pipe.train_step under each schedule, interleaved also with more
+    than one stage per device."""
+    fuzz = load_fuzz()
+    wanted = ("train_step",) + tuple(fuzz.SCHEDULES) + ("virtual_stages",)
+    drawn = {v: 0 for v in wanted}
+    for seed in SEEDS:
+        for v in fuzz.generate(seed).features:
+            if v in drawn:
+                drawn[v] += 1
+    assert all(drawn[v] >= 5 for v in wanted), drawn
+    assert drawn["train_step"] == sum(drawn[s] for s in fuzz.SCHEDULES), drawn
+
+
+def test_train_step_configurations_build_their_pipe_as_drawn():
+    """A train_step reproduction builds its Pipe with the schedule, and with interleaved
+    virtual stages, one device per virtual_stages stages; shrinking keeps that valid."""
+    fuzz = load_fuzz()
+    from configs import _smaller  # noqa: E402 - on sys.path once fuzz.py is loaded
+
+    cfg = next(fuzz.generate(s) for s in SEEDS if fuzz.generate(s).virtual_stages > 1)
+    body = cfg.body()
+    assert f"schedule='interleaved_1f1b', virtual_stages={cfg.virtual_stages}" in body
+    assert f"devices=['cpu'] * {len(cfg.balance) // cfg.virtual_stages}," in body
+    assert "check(pipe, ref, inputs, target=target," in body
+    for smaller in _smaller(cfg):
+        assert smaller.step == cfg.step
+        assert len(smaller.balance) % smaller.virtual_stages == 0, smaller.summary()
+
+
 def test_generation_is_deterministic():
     """A seed names one configuration: the reported seeds stay reproducible."""
     fuzz = load_fuzz()
@@ -69,6 +99,72 @@ def _check(layers, balance, x, chunks=2, checkpoint="always", **kw):
     pipe = gpipe.Pipe(model, balance=balance, devices=["cpu"] * len(balance), chunks=chunks,
                       checkpoint=checkpoint)
     return check(pipe, ref, x, **kw)
+
+
+def _miscount(pipe, how):
+    """Gives ``pipe`` a train_step that gets one thing wrong, to show check catches it."""
+    right = pipe.train_step
+
+    def train_step(x, target, loss_fn):
+        if how == "scale":  # each micro-batch's loss doubled
+            return right(x, target, lambda o, t: loss_fn(o, t) * 2)
+        loss = right(x, target, loss_fn)
+        return loss.requires_grad_() if how == "attached" else loss * 1.5
+
+    pipe.train_step = train_step
+    return pipe
+
+
+def test_train_step_is_compared_with_the_plain_step():
+    """With a target, check runs pipe.train_step against loss_fn(ref(x), target).backward():
+    a Pipe that scales the loss wrongly, returns a wrong or an attached loss is caught."""
+    load_fuzz()
+    from compare import check  # noqa: E402
+
+    f64 = torch.float64
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, dtype=f64, requires_grad=True)
+    target = torch.randn(5, 2, dtype=f64)
+    found = {}
+    for how in (None, "scale", "attached", "value"):
+        for schedule in ("gpipe", "zb_h1"):
+            model = nn.Sequential(nn.Linear(3, 4, dtype=f64), nn.Tanh(),
+                                  nn.Linear(4, 2, dtype=f64))
+            ref = copy.deepcopy(model)
+            pipe = gpipe.Pipe(model, balance=[2, 1], devices=["cpu"] * 2, chunks=3,
+                              schedule=schedule)
+            run = pipe if how is None else _miscount(pipe, how)
+            found[how, schedule] = {m.kind for m in check(run, ref, x, target=target,
+                                                          pre_grad=True)}
+    for schedule in ("gpipe", "zb_h1"):
+        assert found[None, schedule] == set()
+        assert {"grad:value", "output:loss"} <= found["scale", schedule]
+        assert found["attached", schedule] == {"requires_grad:loss"}
+        assert found["value", schedule] == {"output:loss"}
+
+
+def test_a_step_error_may_come_from_an_earlier_micro_batch_s_loss():
+    """Seed 6539: micro-batch 0 passes RaiseIf but its loss requires no grad (the Pipe raises
+    that RuntimeError in the loss phase, before micro-batch 1's forward trips RaiseIf, which
+    the plain model raises first): allowed, as running micro-batch 0 alone raises it too. Any
+    other error is a mismatch."""
+    fuzz = load_fuzz()
+    from compare import check  # noqa: E402
+
+    x = torch.tensor([[0.5, 0.5], [0.5, 0.5], [5.0, 0.5], [0.5, 0.5]], dtype=torch.float64)
+    target = torch.ones(4, 2, dtype=torch.float64)
+    for wrong in (False, True):
+        model = nn.Sequential(fuzz.RaiseIf(1.5))
+        ref = copy.deepcopy(model)
+        pipe = gpipe.Pipe(model, balance=[1], devices=["cpu"], chunks=2, checkpoint="never",
+                          schedule="zb_h1")
+        if wrong:
+            def train_step(*args):
+                raise ValueError("not what the plain model raises")
+            pipe.train_step = train_step
+        kinds = [m.kind for m in check(pipe, ref, x, target=target)]
+        assert kinds == (["exception:train_step:pipe=ValueError:plain=FuzzError"] if wrong
+                         else []), wrong
 
 
 def test_inplace_refusals_are_compared_against_the_boundary_cloned_model():
