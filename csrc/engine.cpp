@@ -157,9 +157,10 @@ std::vector<const Lane*> Engine::lanes() const {
 
 Engine::Call::Call(Engine& engine, const char* what) : engine_(engine) {
   const int64_t outer = Executor::current_stage();
-  // A forward from inside a cell is a Pipe within a Pipe's layer. (A
-  // backward may legitimately run inside a cell: a stage's nested backward
-  // on an autograd device thread may pick up another Pipe's PipeBackward.)
+  // A forward or train_step from inside a cell is a Pipe within a Pipe's
+  // layer. (A backward may legitimately run inside a cell: a stage's nested
+  // backward on an autograd device thread may pick up another Pipe's
+  // PipeBackward.)
   TORCH_CHECK(std::strcmp(what, "backward") == 0 || outer < 0, "gpipe::Pipe ", what,
               " was called from inside a layer of a Pipe (stage ", outer,
               " of the Pipe running it): a Pipe cannot run within a Pipe's stage; ",

@@ -3,11 +3,11 @@
 
 #include "executor.h"
 #include "graph.h"
-#include "transport.h"
 #include "microbatch.h"
 #include "plan.h"
 #include "stage.h"
 #include "trace.h"
+#include "transport.h"
 
 #include <gpipe/error.h>
 #include <gpipe/options.h>
@@ -158,9 +158,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   /// Every stage's lane, in stage order.
   std::vector<const Lane*> lanes() const;
-  /// One forward or backward at a time: other threads wait; a forward from
-  /// inside a cell (a Pipe within a Pipe's layer) and a call from the thread
-  /// already running this engine are refused at once.
+  /// One forward, backward or train_step at a time: other threads wait; a
+  /// forward or train_step from inside a cell (a Pipe within a Pipe's layer)
+  /// and a call from the thread already running this engine are refused at
+  /// once.
   class Call {
    public:
     Call(Engine& engine, const char* what);
