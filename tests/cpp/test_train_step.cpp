@@ -427,3 +427,38 @@ TEST_CASE("train_step: virtual stages also serve forward and loss.backward()", "
     CHECK(max_abs_diff(x.grad(), x_ref.grad()) <= kTolerance);
   }
 }
+
+namespace {
+
+// A layer whose forward runs another Pipe's train_step: refused at once.
+class NestedStepImpl : public torch::nn::Cloneable<NestedStepImpl> {
+ public:
+  explicit NestedStepImpl(gpipe::Pipe inner) : inner_(std::move(inner)) {}
+  void reset() override {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    inner_->train_step(x, x, mse);
+    return x;
+  }
+
+ private:
+  gpipe::Pipe inner_;
+};
+TORCH_MODULE(NestedStep);
+
+}  // namespace
+
+TEST_CASE("train_step: a train_step inside another Pipe's layer is refused at once",
+          "[train_step]") {
+  gpipe::Pipe inner(torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4)),
+                    gpipe::PipeOptions().balance({1, 1}).devices({torch::kCPU, torch::kCPU}).chunks(2));
+  gpipe::Pipe outer(torch::nn::Sequential(torch::nn::Linear(4, 4), NestedStep(inner)),
+                    gpipe::PipeOptions().balance({1, 1}).devices({torch::kCPU, torch::kCPU}).chunks(2));
+  auto x = torch::randn({4, 4});
+  within_deadline([&] {
+    CHECK_THROWS_WITH(outer->train_step(x, x, mse), Catch::Contains("inside a layer of a Pipe"));
+    CHECK_THROWS_WITH(outer->forward(x), Catch::Contains("inside a layer of a Pipe"));
+    return 0;
+  });
+  // Both still work on their own.
+  within_deadline([&] { return inner->train_step(x, x, mse); });
+}
