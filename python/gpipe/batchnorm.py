@@ -17,16 +17,40 @@ class DeferredBatchNorm(_BatchNorm):
     mean and (unbiased) running variance once per mini-batch, from the
     statistics of all its micro-batches together. A recompute does not count
     twice. The Pipe tells it how many micro-batches each mini-batch has.
+
+    The constructor and :meth:`convert_deferred_batch_norm` take torchgpipe's
+    arguments. Unlike torchgpipe's, the running variance is the exact
+    unbiased variance of the mini-batch (as plain BatchNorm's over the whole
+    mini-batch), and the sums are not buffers, so ``state_dict()`` keys are
+    plain BatchNorm's.
+
+    Args:
+        num_features: channels, as ``nn.BatchNorm1d``'s.
+        eps: added to the variance, as BatchNorm's.
+        momentum: the running statistics' update factor, or None for a
+            cumulative average, as BatchNorm's.
+        affine: learn a weight and bias, as BatchNorm's.
+        chunks: micro-batches per mini-batch until the Pipe says otherwise
+            (torchgpipe's name; also :attr:`microbatches`).
     """
 
     #: Micro-batches in the current mini-batch (set by :meth:`begin`).
     microbatches: int
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
-                 affine: bool = True) -> None:
+                 affine: bool = True, chunks: int = 1) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
-        self.microbatches = 1
+        self.microbatches = chunks
         self._reset_sums()
+
+    @property
+    def chunks(self) -> int:
+        """torchgpipe's name for :attr:`microbatches`."""
+        return self.microbatches
+
+    @chunks.setter
+    def chunks(self, chunks: int) -> None:
+        self.microbatches = chunks
 
     def begin(self, microbatches: int) -> None:
         """Starts a mini-batch of ``microbatches`` micro-batches (the Pipe calls this)."""
@@ -93,6 +117,13 @@ class DeferredBatchNorm(_BatchNorm):
         (a BatchNorm passed itself is returned converted). ``gpipe.Pipe``
         leaves its caller's model alone instead (converted copies of the BatchNorms and of the containers holding them)."""
         return _convert(cls, module, microbatches, in_place=True)
+
+    @classmethod
+    def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:
+        """torchgpipe's name for :meth:`convert`: ``module`` with every
+        BatchNorm replaced, in place, by a DeferredBatchNorm for ``chunks``
+        micro-batches (a BatchNorm passed itself is returned converted)."""
+        return cls.convert(module, chunks)
 
 
 def _converted_batch_norm(cls: type, module: _BatchNorm, microbatches: int) -> "DeferredBatchNorm":
