@@ -538,7 +538,7 @@ class PythonApi:
         i = 0
         while i < len(lines):
             line = lines[i]
-            section = re.match(r"^(Args|Arguments|Returns|Raises|Yields|Note|Notes):\s*$", line)
+            section = re.match(r"^(Args|Arguments|Attributes|Returns|Raises|Yields|Note|Notes):\s*$", line)
             if line.rstrip().endswith("::"):
                 head = line.rstrip()[:-2].rstrip()
                 if head:

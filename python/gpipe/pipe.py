@@ -169,6 +169,27 @@ def _check_distinct(module: nn.Sequential) -> None:
         seen[id(layer)] = i
 
 
+def _check_shared_across_devices(module: nn.Sequential,
+                                 layer_devices: Sequence[torch.device]) -> None:
+    """Refuses a parameter or buffer object held by layers on different devices: moving
+    the second layer would move the first one's tensor with it (or, copied, untie them)."""
+    first: Dict[int, Tuple[str, int, str]] = {}  # tensor id -> (name, layer, kind)
+    for i, ((name, layer), device) in enumerate(zip(module.named_children(), layer_devices)):
+        tensors = [("parameter", n, t) for n, t in layer.named_parameters(remove_duplicate=False)]
+        tensors += [("buffer", n, t) for n, t in layer.named_buffers(remove_duplicate=False)]
+        for kind, sub, tensor in tensors:
+            if tensor is None:
+                continue
+            here = f"{name}.{sub}"
+            seen = first.setdefault(id(tensor), (here, i, kind))
+            j = seen[1]
+            if layer_devices[j] != device:
+                raise ValueError(
+                    f"{kind} {here!r} of layer {i} (on {device}) is the same tensor as "
+                    f"{seen[0]!r} of layer {j} (on {layer_devices[j]}), so it cannot live on "
+                    f"both devices; put those layers on one device, or untie the weights")
+
+
 BatchDim = Union[int, Sequence[Optional[int]]]
 
 
@@ -205,6 +226,62 @@ def _check_input(input: Any, what: str = "input") -> None:
     elif not isinstance(input, Tensor):
         raise TypeError(f"expected Tensor or Tuple[Tensor, ...] as {what}, but got "
                         f"{type(input).__name__}")
+
+
+_READ_ONLY = ("pipe.partitions is a read-only view of the Pipe's stages: changing it would "
+              "not change what the Pipe runs; build a new Pipe from the changed nn.Sequential "
+              "instead")
+
+
+class _ReadOnlyView:
+    """Refuses, once built, what would add, replace or remove a child, or move a
+    stage to another device (its layers are the Pipe's own objects)."""
+
+    _device: Optional[torch.device] = None
+
+    def _freeze(self, device: Optional[torch.device]) -> None:
+        object.__setattr__(self, "_device", device)
+        object.__setattr__(self, "_frozen", True)
+
+    def _frozen_now(self) -> bool:
+        return self.__dict__.get("_frozen", False)
+
+    def add_module(self, name: str, module: Optional[nn.Module]) -> None:
+        if self._frozen_now():
+            raise TypeError(_READ_ONLY)
+        super().add_module(name, module)  # type: ignore[misc]
+
+    register_module = add_module
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen_now() and (isinstance(value, nn.Module) or name in self._modules):
+            raise TypeError(_READ_ONLY)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._frozen_now() and name in self._modules:
+            raise TypeError(_READ_ONLY)
+        super().__delattr__(name)
+
+    def insert(self, index: int, module: nn.Module) -> None:
+        raise TypeError(_READ_ONLY)
+
+    def _apply(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        # Casting (.double()) applies to the Pipe's layers as pipe.double() would;
+        # a move to another device is refused as the Pipe's own.
+        if self._device is not None:
+            probe = fn(torch.empty(0, device=self._device))
+            if probe.device != self._device:
+                raise _MOVING_DENIED
+        return super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
+
+
+class _Stage(_ReadOnlyView, nn.Sequential):
+    """One stage of a Pipe: its layers under their names in the Sequential."""
+
+
+class _Stages(_ReadOnlyView, nn.ModuleList):
+    """A Pipe's stages, one :class:`_Stage` each."""
 
 
 class _NoStages:
@@ -317,6 +394,20 @@ class Pipe(nn.Module):
         ValueError: bad ``balance``, ``chunks`` or ``checkpoint`` values; a
             device that is not one, or a CUDA device this machine lacks.
         IndexError: fewer devices than stages.
+
+    Attributes:
+        balance: layers per stage, a list of ints.
+        devices: one ``torch.device`` per stage, a list (extra ones given
+            are dropped; with ``virtual_stages`` v, one per v stages).
+        chunks: micro-batches per mini-batch, an int.
+        checkpoint: the checkpoint mode, a str.
+        partitions: each stage's layers (the Pipe's own objects), one
+            ``nn.Sequential`` per stage in an ``nn.ModuleList``, as
+            torchgpipe's; a read-only view that registers nothing, so
+            ``state_dict()`` keys stay the Sequential's (``"0.weight"``). To
+            load a checkpoint saved from torchgpipe (keys
+            ``"partitions.0.0.weight"``), see
+            :func:`gpipe.load_torchgpipe_state_dict`.
 
     Checkpointed micro-batches run their layers twice (forward, then
     recompute before backward), and so their forward hooks and pre-hooks,
@@ -451,6 +542,7 @@ class Pipe(nn.Module):
                 layer = _deferred_copy(layer, chunks)
             self.add_module(name, layer)
         self._layers: List[nn.Module] = list(self._modules.values())  # type: ignore[arg-type]
+        _check_shared_across_devices(self, self._stage_devices())
         for layer, device in zip(self._layers, self._stage_devices()):
             layer.to(device)
         self._deferred = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
@@ -473,6 +565,27 @@ class Pipe(nn.Module):
             parts.append(self._layers[offset:offset + n])
             offset += n
         return parts
+
+    @property
+    def partitions(self) -> nn.ModuleList:
+        """Each stage's layers as an ``nn.Sequential`` (under their names in
+        the Sequential), in an ``nn.ModuleList``, one entry per stage, as
+        torchgpipe's ``partitions``: ``pipe.partitions[j]`` holds stage j's own
+        layer objects. A read-only view built at each access: it registers
+        nothing on the Pipe (``state_dict()`` keys stay ``"0.weight"``), and
+        adding, replacing or removing layers through it, or moving a stage to
+        another device, raises TypeError."""
+        names = list(self._modules)
+        stages, offset = [], 0
+        for n, device in zip(self.balance, self._per_stage_devices()):
+            stage = _Stage(OrderedDict(zip(names[offset:offset + n],
+                                           self._layers[offset:offset + n])))
+            stage._freeze(device)
+            stages.append(stage)
+            offset += n
+        view = _Stages(stages)
+        view._freeze(None)
+        return view
 
     def _build_engine(self, trace: bool = False) -> None:
         """Starts the C++ engine over the stages: the one place it is built, from
