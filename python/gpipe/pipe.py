@@ -392,7 +392,9 @@ class Pipe(nn.Module):
         TypeError: ``module`` is not an ``nn.Sequential``; ``balance`` is not
             a list of ints, ``chunks`` not an int, ``devices`` an int.
         ValueError: bad ``balance``, ``chunks`` or ``checkpoint`` values; a
-            device that is not one, or a CUDA device this machine lacks.
+            device that is not one, or a CUDA device this machine lacks; a
+            parameter or buffer shared by layers on different devices (tied
+            weights work on one device).
         IndexError: fewer devices than stages.
 
     Attributes:
