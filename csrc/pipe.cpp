@@ -12,6 +12,7 @@
 #include <torch/cuda.h>
 
 #include <sstream>
+#include <string>
 #include <unordered_map>
 
 namespace gpipe {
@@ -143,6 +144,37 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
   // Stage j runs on worker j mod W, on its device.
   std::vector<c10::Device> stage_devices;
   for (size_t j = 0; j < stages; ++j) stage_devices.push_back(devices[j % workers]);
+
+  // A tensor two layers share (tied weights) must live where both run:
+  // refuse before anything moves, naming both uses (on one device it is fine).
+  {
+    struct Use {
+      std::string name;
+      size_t layer;
+      c10::Device device;
+    };
+    std::unordered_map<const c10::TensorImpl*, Use> uses;
+    size_t layer = 0;
+    for (size_t j = 0; j < stages; ++j) {
+      for (int64_t n = 0; n < balance[j]; ++n, ++layer) {
+        const auto module = sequential_->ptr(layer);
+        auto check = [&](const std::string& kind, const std::string& name, const at::Tensor& t) {
+          if (!t.defined()) return;
+          const std::string full = std::to_string(layer) + "." + name;
+          auto [found, fresh] =
+              uses.try_emplace(t.unsafeGetTensorImpl(), Use{full, layer, stage_devices[j]});
+          const Use& first = found->second;
+          GPIPE_CHECK_VALUE(fresh || first.device == stage_devices[j], kind, " '", full,
+                            "' of layer ", layer, " (on ", stage_devices[j],
+                            ") is the same tensor as '", first.name, "' of layer ", first.layer,
+                            " (on ", first.device, "), so it cannot live on both devices; put "
+                            "those layers on one device, or untie the weights");
+        };
+        for (const auto& p : module->named_parameters()) check("parameter", p.key(), p.value());
+        for (const auto& b : module->named_buffers()) check("buffer", b.key(), b.value());
+      }
+    }
+  }
 
   // Adopt the layers under the Sequential's own names, so parameters and
   // state_dict keys read "0.weight" as in the Sequential.

@@ -113,3 +113,45 @@ TEST_CASE("options: bad inputs at forward name the problem", "[options]") {
   // The Pipe still works afterwards.
   CHECK(pipe->forward(torch::randn({4, 3})).sizes() == torch::IntArrayRef({4, 2}));
 }
+
+namespace {
+
+/// x @ weight, with `weight` given: two of these share one parameter.
+class SharedWeightImpl : public torch::nn::Cloneable<SharedWeightImpl> {
+ public:
+  explicit SharedWeightImpl(torch::Tensor w) : w_(std::move(w)) { reset(); }
+  void reset() override { weight = register_parameter("weight", w_); }
+  torch::Tensor forward(const torch::Tensor& x) { return x.matmul(weight); }
+  torch::Tensor weight;
+
+ private:
+  torch::Tensor w_;
+};
+TORCH_MODULE(SharedWeight);
+
+}  // namespace
+
+TEST_CASE("options: a weight shared by layers on two devices is refused before anything moves",
+          "[options]") {
+  auto w = torch::randn({3, 3}, torch::kFloat64).requires_grad_(true);
+  torch::nn::Sequential model{SharedWeight(w), torch::nn::Tanh(), SharedWeight(w)};
+  CHECK_THROWS_WITH(
+      gpipe::Pipe(model, gpipe::PipeOptions()
+                             .balance({2, 1})
+                             .devices({torch::kCPU, c10::Device(c10::kMeta)})),
+      Catch::Contains("parameter '2.weight' of layer 2 (on meta)") &&
+          Catch::Contains("same tensor as '0.weight' of layer 0 (on cpu)") &&
+          Catch::Contains("put those layers on one device, or untie the weights"));
+  CHECK(w.device().is_cpu());
+  CHECK(model[2]->parameters()[0].device().is_cpu());
+
+  // On one device the tie is fine: the grad is the sum of both uses.
+  auto ref = torch::nn::Sequential(SharedWeight(w), torch::nn::Tanh(), SharedWeight(w));
+  gpipe::Pipe pipe(model, gpipe::PipeOptions().balance({2, 1}).devices({torch::kCPU, torch::kCPU}).chunks(2));
+  auto x = torch::randn({4, 3}, torch::kFloat64);
+  pipe->forward(x).sum().backward();
+  auto got = w.grad().clone();
+  w.mutable_grad().reset();
+  ref->forward(x).sum().backward();
+  CHECK(gpipe_test::max_abs_diff(got, w.grad()) <= gpipe_test::kTolerance);
+}
