@@ -400,7 +400,8 @@ class Pipe(nn.Module):
     Attributes:
         balance: layers per stage, a list of ints.
         devices: one ``torch.device`` per stage, a list (extra ones given
-            are dropped; with ``virtual_stages`` v, one per v stages).
+            are dropped); with ``virtual_stages``, one per device, stage s
+            running on ``devices[s % len(devices)]``.
         chunks: micro-batches per mini-batch, an int.
         checkpoint: the checkpoint mode, a str.
         partitions: each stage's layers (the Pipe's own objects), one
