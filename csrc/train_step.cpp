@@ -207,7 +207,7 @@ at::Tensor Engine::train_step(const Batch& input, const Batch& target, const Los
   std::vector<at::Tensor> losses(static_cast<size_t>(m));
   std::vector<Payload> input_grads(static_cast<size_t>(m));
   Outside outside;
-  Mailboxes mail(s_count, m);
+  Mailboxes mail(s_count, m, skips_.size());
 
   const TaskFn task = [&](const Task& t, const char*& phase) {
     const int64_t s = t.stage;
@@ -225,11 +225,18 @@ at::Tensor Engine::train_step(const Batch& input, const Batch& target, const Los
       }
       if (!in) return;  // cancelled
       Batch x = receive_traced(std::move(*in), lane, tracer_, step, s, i);
+      if (!receive_skips(mail, Flow::Skip, skips_.arriving[static_cast<size_t>(s)], s, i, x, lane,
+                         tracer_, step)) {
+        return;  // cancelled
+      }
       Span span(tracer_, step, s, i, TracePhase::Forward, lane.compute);
       Batch y = stage.forward(cell, x, i < stop, stop > 0);
       span.finish();
       if (s + 1 < s_count) {
-        mail.send({s + 1, Flow::Activation, i}, Payload{std::move(y), mark(lane.compute)});
+        // Skips first: the popping stage gets them before micro-batch i.
+        auto ready = mark(lane.compute);
+        send_skips(mail, Flow::Skip, skips_.leaving[static_cast<size_t>(s)], skips_, i, y, ready);
+        mail.send({s + 1, Flow::Activation, i}, Payload{std::move(y), std::move(ready)});
         return;
       }
       phase = "loss";
@@ -281,6 +288,10 @@ at::Tensor Engine::train_step(const Batch& input, const Batch& target, const Los
       if (!in) return;  // cancelled
       dy = receive_traced(std::move(*in), lane, tracer_, step, s, i);
     }
+    if (!receive_skips(mail, Flow::SkipGrad, skips_.leaving[static_cast<size_t>(s)], s, i, dy, lane,
+                       tracer_, step)) {
+      return;  // cancelled
+    }
     const char* name = phase;
     if (cell.checkpointed) {
       phase = "recompute";
@@ -305,7 +316,10 @@ at::Tensor Engine::train_step(const Batch& input, const Batch& target, const Los
       Outside::add(entries, external_grads);
       span.finish();
     }
-    Payload out{std::move(dx), mark(lane.compute)};
+    auto ready = mark(lane.compute);
+    // Skip grads first: the stashing stage gets them before micro-batch i.
+    send_skips(mail, Flow::SkipGrad, skips_.arriving[static_cast<size_t>(s)], skips_, i, dx, ready);
+    Payload out{std::move(dx), std::move(ready)};
     if (s > 0) {
       mail.send({s - 1, Flow::Grad, i}, std::move(out));
     } else {
