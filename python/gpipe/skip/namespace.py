@@ -20,6 +20,8 @@ class Namespace(metaclass=abc.ABCMeta):
     """
 
     __slots__ = ("id",)
+    #: The namespace's identity: copies share it.
+    id: uuid.UUID
 
     def __init__(self) -> None:
         self.id = uuid.uuid4()

@@ -28,6 +28,10 @@ class stash:
     """
 
     __slots__ = ("name", "tensor")
+    #: The skip's name.
+    name: str
+    #: The tensor stashed (None: a skip that carries nothing).
+    tensor: Optional[Tensor]
 
     def __init__(self, name: str, tensor: Optional[Tensor]) -> None:
         self.name = name
@@ -48,6 +52,8 @@ class pop:
     """
 
     __slots__ = ("name",)
+    #: The skip's name.
+    name: str
 
     def __init__(self, name: str) -> None:
         self.name = name
