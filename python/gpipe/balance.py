@@ -152,7 +152,9 @@ class _ProfilingTracker(SkipTracker):
 
     def load(self, batch: object, ns: Namespace, name: str) -> Optional[Tensor]:
         tensor = super().load(batch, ns, name)
-        return None if tensor is None else _graph_input(tensor.to(self.device))  # type: ignore[return-value]
+        if tensor is None:
+            return None
+        return _graph_input(tensor.to(self.device))  # type: ignore[return-value]
 
 
 def _check_output(y: object, i: int) -> TensorOrTensors:

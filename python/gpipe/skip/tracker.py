@@ -2,7 +2,7 @@
 the per-stage runner that gives each call of a stage its own."""
 import contextlib
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
 
@@ -100,7 +100,8 @@ class StageRunner:
         self.stage = stage
         self.first_layer_index = first_layer_index
 
-    def __call__(self, input: Any, skips: Sequence[Optional[Tensor]] = ()) -> Tuple[Any, Tuple[Optional[Tensor], ...]]:
+    def __call__(self, input: Any, skips: Sequence[Optional[Tensor]] = ()
+                 ) -> Tuple[Any, Tuple[Optional[Tensor], ...]]:
         """Runs the layers on ``input`` with the ``incoming`` skips; returns
         the output and the ``outgoing`` skips."""
         if len(skips) != len(self.incoming):
