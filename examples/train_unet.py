@@ -1,4 +1,4 @@
-"""A small U-Net (skip connections across stages) trained with gpipe.Pipe.train_step on 4 CPU stages.
+"""A small U-Net, its skips crossing stages, trained with gpipe.Pipe.train_step on 4 CPU stages.
 
 Run with no arguments (or ask for a timeline picture):
 

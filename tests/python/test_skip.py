@@ -6,7 +6,7 @@ import io
 import itertools
 import pickle
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Tuple
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 import gpipe
-from conftest import (MODES, TOL, TensorOrTensors, as_tuple, assert_close, assert_same_grads,
+from conftest import (MODES, TensorOrTensors, as_tuple, assert_close, assert_same_grads,
                       compare_with_plain, leaf_copy, raises_within_timeout, result)
 from gpipe.skip import Namespace, pop, skippable, stash
 from gpipe.skip.tracker import current_skip_tracker
@@ -165,7 +165,7 @@ def test_the_balances_cover_every_span():
     assert {0, 1, 2, "K-1"} <= seen
 
 
-# -- transparency: forward and backward (drop-in) ---------------------------------------------------
+# -- transparency: forward and backward (drop-in) --------------------------------------------------
 
 def model_cases():
     for name, (_, _, balances, _) in MODELS.items():
@@ -501,13 +501,12 @@ def test_skips_without_grad_next_to_one_with_grad(balance, checkpoint):
 def test_input_without_requires_grad(model, checkpoint):
     make, features, _, _ = MODELS[model]
     x = torch.randn(7, features, dtype=f64)
-    pipe, _ = compare_with_plain(make(), x, balance=[2, 2, 2, 2], chunks=3,
-                                 checkpoint=checkpoint)
+    compare_with_plain(make(), x, balance=[2, 2, 2, 2], chunks=3, checkpoint=checkpoint)
     compare_train_step(make(), x, torch.randn(7, 3, dtype=f64), balance=[2, 2, 2, 2], chunks=3,
                        checkpoint=checkpoint)
 
 
-# -- dropout: a recompute re-stashes exactly what the forward stashed -------------------------------
+# -- dropout: a recompute re-stashes exactly what the forward stashed ------------------------------
 
 @skippable(stash=["dropped"])
 class DropStash(nn.Module):
@@ -691,7 +690,7 @@ def test_declared_stash_not_stashed_is_a_runtime_error(balance, checkpoint):
     assert_same_grads(pipe, ref)
 
 
-# -- the 1-to-3 skip of torchgpipe's own tests, on CPU stages ----------------------------------------
+# -- the 1-to-3 skip of torchgpipe's own tests, on CPU stages --------------------------------------
 
 @pytest.mark.parametrize("checkpoint", MODES)
 @pytest.mark.parametrize("balance", [[3], [1, 2], [2, 1], [1, 1, 1]], ids=str)
@@ -860,7 +859,7 @@ def test_copied_pipe_with_skips_is_transparent(how):
     assert_same_grads(other, ref)
 
 
-# -- deferred batch norm inside a skippable layer ----------------------------------------------------
+# -- deferred batch norm inside a skippable layer --------------------------------------------------
 
 @skippable(stash=["skip"])
 class DownBN(nn.Module):
