@@ -82,6 +82,12 @@ class SkipTracker {
   bool contains(const SkipKey& key) const { return tensors_.count(key) > 0; }
   size_t size() const noexcept { return tensors_.size(); }
   void clear() noexcept { tensors_.clear(); }
+  /// Replaces every waiting tensor `t` with `f(t)` (profiling cuts them off
+  /// the graph of the layer that stashed them).
+  template <typename F>
+  void transform(F&& f) {
+    for (auto& [key, tensor] : tensors_) tensor = f(tensor);
+  }
 
  private:
   std::map<SkipKey, at::Tensor> tensors_;

@@ -312,3 +312,18 @@ TEST_CASE("skip: a layer that breaks its declaration fails with its name and the
                       Catch::Contains("layer SneakyImpl stashed 'z' but does not declare it"));
   }
 }
+
+TEST_CASE("skip: balance_by_time and balance_by_size profile skippable layers", "[skip][balance]") {
+  for (auto model : models()) {
+    INFO(model.name);
+    auto sample = randn64({4, kWidth});
+    auto by_time = gpipe::balance_by_time(3, model.sequential, sample,
+                                          gpipe::BalanceOptions().timeout(0.01));
+    auto by_size = gpipe::balance_by_size(3, model.sequential, sample);
+    CHECK(gpipe::current_skip_tracker().size() == 0);
+    for (const auto& balance : {by_time, by_size}) {
+      REQUIRE(balance.size() == 3);
+      check_forward_backward(model, balance, 2, Checkpoint::ExceptLast);
+    }
+  }
+}
