@@ -48,8 +48,11 @@ namespace gpipe {
 class Namespace {
  public:
   Namespace();
+  /// The same namespace (a copy of it).
   bool operator==(const Namespace& other) const noexcept { return id_ == other.id_; }
+  /// An arbitrary but fixed order, for sorted containers.
   bool operator<(const Namespace& other) const noexcept { return id_ < other.id_; }
+  /// Its number (0 is the default namespace, which no Namespace() takes).
   uint64_t id() const noexcept { return id_; }
 
  private:
@@ -60,14 +63,19 @@ class Namespace {
 
 /// A skip's full name: its namespace (0: the default one) and its name.
 struct SkipKey {
+  /// The namespace's id (0: the default one).
   uint64_t ns = 0;
+  /// The name the layers stash and pop it by.
   std::string name;
+  /// Ordered by namespace, then name.
   auto operator<=>(const SkipKey& other) const = default;
 };
 
 /// The names a Skippable layer stashes and pops.
 struct SkipNames {
+  /// Names the layer stashes (for later layers).
   std::vector<std::string> stash;
+  /// Names the layer pops (stashed by earlier layers).
   std::vector<std::string> pop;
 };
 
@@ -76,11 +84,15 @@ struct SkipNames {
 /// Sequential run).
 class SkipTracker {
  public:
+  /// Keeps `tensor` (may be undefined) under `key`, replacing what was there.
   void save(const SkipKey& key, at::Tensor tensor);
   /// Takes the tensor stashed under `key` out; throws when there is none.
   at::Tensor load(const SkipKey& key);
+  /// Whether a tensor waits under `key`.
   bool contains(const SkipKey& key) const { return tensors_.count(key) > 0; }
+  /// How many tensors wait for their pops.
   size_t size() const noexcept { return tensors_.size(); }
+  /// Drops every waiting tensor.
   void clear() noexcept { tensors_.clear(); }
   /// Replaces every waiting tensor `t` with `f(t)` (profiling cuts them off
   /// the graph of the layer that stashed them).
@@ -101,7 +113,9 @@ class UseSkipTracker {
  public:
   explicit UseSkipTracker(SkipTracker& tracker);
   ~UseSkipTracker();
+  /// Not copyable: it restores the previous tracker exactly once.
   UseSkipTracker(const UseSkipTracker&) = delete;
+  /// Not assignable.
   UseSkipTracker& operator=(const UseSkipTracker&) = delete;
 
  private:
@@ -115,7 +129,9 @@ class Skippable {
   explicit Skippable(SkipNames names);
   virtual ~Skippable() = default;
 
+  /// The names this layer declares it stashes.
   const std::vector<std::string>& stash_names() const noexcept { return names_.stash; }
+  /// The names this layer declares it pops.
   const std::vector<std::string>& pop_names() const noexcept { return names_.pop; }
 
   /// Puts this layer's skips named in `only` (all of them when empty) into
@@ -140,9 +156,11 @@ class Skippable {
 
 /// Where one skip crosses a cut of a Sequential into stages.
 struct SkipRouteInfo {
+  /// The skip's namespace and name.
   SkipKey key;
-  /// The layers (in the whole Sequential) that stash and pop it.
+  /// The layer (index in the whole Sequential) that stashes it.
   int64_t stash_layer;
+  /// The layer that pops it.
   int64_t pop_layer;
 };
 
