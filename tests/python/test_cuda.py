@@ -403,3 +403,42 @@ def test_stages_alternating_between_two_gpus_transparent(checkpoint):
                       checkpoint=checkpoint)
     check_step(pipe, ref, torch.randn(12, 5, dtype=torch.float64, device=GPU), CPU, gpu1)
     check_step(pipe, ref, torch.randn(12, 5, dtype=torch.float64), CPU, gpu1)
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_skip_from_a_cpu_stage_to_a_cuda_stage(checkpoint: str) -> None:
+    """A skip stashed on a CPU stage and popped on a CUDA stage two stages later goes
+    straight there: transparent (outputs and grads), its copy is in the trace at the
+    popping stage, and its grad comes back to the CPU stage."""
+    from gpipe.skip import pop, skippable, stash
+
+    @skippable(stash=["s"])
+    class Keep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(8, 8)
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            yield stash("s", x * 2)
+            return torch.tanh(self.layer(x))
+
+    @skippable(pop=["s"])
+    class Use(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(8, 8)
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            s = yield pop("s")
+            return self.layer(x) + s
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Keep(), nn.Linear(8, 8), Use()).double()
+    ref = copy.deepcopy(model)
+    pipe = gpipe.Pipe(model, balance=[1, 1, 1], devices=[CPU, GPU, GPU], chunks=2,
+                      checkpoint=checkpoint, trace=True)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    check_step(pipe, ref, x, CPU, GPU)
+    copies = [e for e in pipe.trace.events if e.phase == "copy" and e.stage == 2]
+    # Micro-batch 0 and 1: the main input comes from cuda:0 (no copy), the skip from the CPU.
+    assert sorted(e.microbatch for e in copies) == [0, 1]
