@@ -58,7 +58,7 @@ setup(
     name="gpipe",
     version="0.1.0",
     description="GPipe pipeline parallelism for LibTorch and PyTorch, on a C++ engine",
-    packages=["gpipe"],
+    packages=["gpipe", "gpipe.skip"],
     package_dir={"": "python"},
     package_data={"gpipe": ["_C.pyi", "py.typed"]},
     ext_modules=[
