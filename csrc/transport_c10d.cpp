@@ -1,0 +1,343 @@
+// transport_c10d.cpp — the process-group transport: header and tensors by isend/irecv, failure headers, peers named in errors.
+#include "transport_c10d.h"
+
+#include "check.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <limits>
+
+namespace gpipe::detail {
+
+namespace {
+
+// The fixed header message: [kind, length, up to kWireInts - 2 integers];
+// a longer header (a batch of many values) sends the rest in a second
+// message on the same tag.
+constexpr int64_t kWireInts = 64;
+constexpr int64_t kWireBody = kWireInts - 2;
+constexpr int64_t kBatch = 0;
+constexpr int64_t kFailure = 1;
+// A failure header's text is cut to what fits in one message.
+constexpr size_t kFailureChars = static_cast<size_t>(kWireBody - 1) * sizeof(int64_t);
+
+std::vector<int64_t> pack(int64_t origin, const std::string& text) {
+  const std::string cut = text.substr(0, std::min(text.size(), kFailureChars));
+  std::vector<int64_t> ints{origin};
+  std::vector<int64_t> chars((cut.size() + sizeof(int64_t) - 1) / sizeof(int64_t), 0);
+  std::copy(cut.begin(), cut.end(), reinterpret_cast<char*>(chars.data()));
+  ints.insert(ints.end(), chars.begin(), chars.end());
+  return ints;
+}
+
+std::pair<int64_t, std::string> unpack(const std::vector<int64_t>& ints) {
+  TORCH_CHECK(!ints.empty(), "gpipe: empty failure header");
+  std::string text(reinterpret_cast<const char*>(ints.data() + 1),
+                   (ints.size() - 1) * sizeof(int64_t));
+  text.resize(std::strlen(text.c_str()));
+  return {ints[0], text};
+}
+
+const char* flow_name(Flow flow) { return flow == Flow::Activation ? "activations" : "grads"; }
+
+}  // namespace
+
+Handoffs plan_handoffs(const Plan& plan, int64_t worker) {
+  Handoffs h;
+  const int64_t last = plan.stages - 1;
+  for (const auto& t : plan.lists[static_cast<size_t>(worker)]) {
+    if (t.op == Op::F) {
+      if (t.stage > 0) h.receives.push_back({t.stage, Flow::Activation, t.microbatch});
+      if (t.stage < last) h.sends.push_back({t.stage + 1, Flow::Activation, t.microbatch});
+    } else if (t.op == Op::B || t.op == Op::I) {
+      if (t.stage < last) h.receives.push_back({t.stage, Flow::Grad, t.microbatch});
+      if (t.stage > 0) h.sends.push_back({t.stage - 1, Flow::Grad, t.microbatch});
+    }
+  }
+  return h;
+}
+
+ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                             int64_t stages, c10::Device device)
+    : group_(std::move(group)), rank_(0), size_(1), stages_(stages), device_(device) {
+  TORCH_CHECK(group_, "gpipe: no process group; call torch.distributed.init_process_group() "
+                      "(or pass group=) before building the pipe");
+  rank_ = group_->getRank();
+  size_ = group_->getSize();
+  TORCH_CHECK(stages_ >= size_ && stages_ % size_ == 0, "gpipe: ", stages_,
+              " stages over a group of ", size_, " ranks; give each rank the same number of "
+              "stages (a multiple of ", size_, ")");
+  gloo_ = group_->getBackendName() == "gloo";
+}
+
+ProcessGroupTransport::~ProcessGroupTransport() {
+  // A step that ended normally left nothing in flight; after a failure
+  // `fail` buried what was. Anything left here comes from an exception
+  // between begin and finish/fail: drop it the same careful way.
+  std::lock_guard<std::mutex> hold(mutex_);
+  for (auto& [k, p] : headers_) {
+    p.work->abort();
+    bury(std::move(p));
+  }
+  for (auto& p : sent_works_) bury(std::move(p));
+}
+
+int ProcessGroupTransport::source(const Address& at) const noexcept {
+  return owner(at.flow == Flow::Activation ? at.stage - 1 : at.stage + 1);
+}
+
+int ProcessGroupTransport::tag(const Address& a, int part) const {
+  const int64_t t =
+      ((a.microbatch * stages_ + a.stage) * 2 + static_cast<int64_t>(a.flow)) * 2 + part;
+  TORCH_CHECK(t <= std::numeric_limits<int>::max(), "gpipe: ", stages_, " stages and ",
+              microbatches_, " micro-batches exceed the tags of a process group; use fewer "
+              "chunks");
+  return static_cast<int>(t);
+}
+
+std::string ProcessGroupTransport::describe_address(const Address& a) const {
+  return c10::str("stage ", a.stage, "'s ", flow_name(a.flow), " of micro-batch ", a.microbatch);
+}
+
+void ProcessGroupTransport::bury(Pending pending) {
+  // An aborted Gloo receive may still be matched by a late message, which
+  // then writes into its buffer: the buffer (and its work) must outlive
+  // that. After a failed step that is the process's lifetime; the pipe
+  // refuses further steps, so this holds one step's worth at most.
+  static auto* graveyard = new std::vector<Pending>();
+  static std::mutex lock;
+  std::lock_guard<std::mutex> hold(lock);
+  graveyard->push_back(std::move(pending));
+}
+
+void ProcessGroupTransport::begin(int64_t microbatches, const Handoffs& handoffs) {
+  microbatches_ = microbatches;
+  cancelled_.store(false);
+  peer_failure_.reset();
+  local_.emplace(stages_, microbatches);
+  std::lock_guard<std::mutex> hold(mutex_);
+  TORCH_INTERNAL_ASSERT(headers_.empty() && sent_works_.empty());
+  owed_.clear();
+  for (const auto& a : handoffs.sends) {
+    if (owner(a.stage) != rank_) owed_.insert(key(a));
+  }
+  for (const auto& a : handoffs.receives) {
+    const int from = source(a);
+    if (from == rank_) continue;
+    headers_.emplace(key(a), post_receive({at::empty({kWireInts}, at::kLong)}, from, tag(a, 0)));
+  }
+}
+
+ProcessGroupTransport::Pending ProcessGroupTransport::post_receive(std::vector<at::Tensor> tensors,
+                                                                   int from, int tag) {
+  Pending p;
+  p.tensors = std::move(tensors);
+  p.work = group_->recv(p.tensors, from, tag);
+  return p;
+}
+
+bool ProcessGroupTransport::wait(Pending& pending, int from, const std::string& what) {
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    if (cancelled_.load()) {
+      pending.work->abort();
+      bury(std::move(pending));
+      return false;
+    }
+    waiting_.push_back(pending);
+  }
+  bool done = false;
+  std::exception_ptr error;
+  try {
+    done = pending.work->wait();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    waiting_.erase(std::find_if(waiting_.begin(), waiting_.end(),
+                                [&](const Pending& p) { return p.work == pending.work; }));
+  }
+  if (error) {
+    std::string message;
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      message = e.what();
+    } catch (...) {
+      message = "unknown error";
+    }
+    TORCH_CHECK(false, "gpipe: rank ", rank_, " lost rank ", from, " while receiving ", what,
+                ": ", message, " (rank ", from, " died, or did not answer within the process "
+                "group's timeout)");
+  }
+  if (!done || cancelled_.load()) {
+    bury(std::move(pending));
+    return false;
+  }
+  return true;
+}
+
+void ProcessGroupTransport::send_wire(const std::vector<int64_t>& ints, int64_t kind, int to,
+                                      int tag) {
+  const auto length = static_cast<int64_t>(ints.size());
+  at::Tensor wire = at::zeros({kWireInts}, at::kLong);
+  auto* w = wire.data_ptr<int64_t>();
+  w[0] = kind;
+  w[1] = length;
+  std::copy_n(ints.begin(), std::min(length, kWireBody), w + 2);
+  std::vector<Pending> out;
+  Pending head;
+  head.tensors = {wire};
+  head.work = group_->send(head.tensors, to, tag);
+  out.push_back(std::move(head));
+  if (length > kWireBody) {
+    Pending rest;
+    rest.tensors = {at::empty({length - kWireBody}, at::kLong)};
+    std::copy(ints.begin() + kWireBody, ints.end(), rest.tensors[0].data_ptr<int64_t>());
+    rest.work = group_->send(rest.tensors, to, tag);
+    out.push_back(std::move(rest));
+  }
+  std::lock_guard<std::mutex> hold(mutex_);
+  for (auto& p : out) sent_works_.push_back(std::move(p));
+}
+
+void ProcessGroupTransport::send(const Address& to, Payload payload) {
+  const int dst = owner(to.stage);
+  if (dst == rank_) {
+    local_->send(to, std::move(payload));
+    return;
+  }
+  Batch batch = settle(std::move(payload));
+  send_wire(encode(describe(batch)), kBatch, dst, tag(to, 0));
+  const int data_tag = tag(to, 1);
+  std::vector<Pending> out;
+  for (const auto& value : batch.values) {
+    if (!value.defined()) continue;
+    at::Tensor t = value.detach();
+    // Gloo reads the tensor's memory on the host.
+    if (gloo_ && !t.device().is_cpu()) t = t.cpu();
+    Pending p;
+    p.tensors = {t.contiguous()};
+    p.work = group_->send(p.tensors, dst, data_tag);
+    out.push_back(std::move(p));
+  }
+  std::lock_guard<std::mutex> hold(mutex_);
+  for (auto& p : out) sent_works_.push_back(std::move(p));
+  owed_.erase(key(to));
+}
+
+std::optional<Payload> ProcessGroupTransport::receive(const Address& at) {
+  const int from = source(at);
+  if (from == rank_) return local_->receive(at);
+  const std::string what = describe_address(at);
+  Pending head;
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    auto it = headers_.find(key(at));
+    TORCH_INTERNAL_ASSERT(it != headers_.end(), "gpipe: receive at ", what,
+                          " was not announced by begin, or taken twice");
+    head = std::move(it->second);
+    headers_.erase(it);
+  }
+  if (!wait(head, from, what)) return std::nullopt;
+  const auto* w = head.tensors[0].const_data_ptr<int64_t>();
+  const int64_t kind = w[0];
+  const int64_t length = w[1];
+  TORCH_CHECK((kind == kBatch || kind == kFailure) && length >= 0,
+              "gpipe: rank ", rank_, " got a malformed hand-off header from rank ", from,
+              " for ", what, " (kind ", kind, ", length ", length,
+              "); run the same gpipe version on every rank");
+  std::vector<int64_t> ints(w + 2, w + 2 + std::min(length, kWireBody));
+  if (length > kWireBody) {
+    Pending rest = post_receive({at::empty({length - kWireBody}, at::kLong)}, from, tag(at, 0));
+    if (!wait(rest, from, what)) return std::nullopt;
+    const auto* r = rest.tensors[0].const_data_ptr<int64_t>();
+    ints.insert(ints.end(), r, r + (length - kWireBody));
+  }
+  if (kind == kFailure) {
+    auto [origin, text] = unpack(ints);
+    peer_failure_ = {origin, text};
+    TORCH_CHECK(false, "gpipe: rank ", origin, " failed, so rank ", rank_,
+                " stopped waiting for ", what, " (from rank ", from, "); rank ", origin,
+                "'s error: ", text);
+  }
+  const BatchMeta meta = decode(ints);
+  Batch batch;
+  batch.atomic = meta.atomic;
+  std::vector<Pending> data;
+  for (const auto& v : meta.values) {
+    if (!v.defined) {
+      batch.values.emplace_back();
+      continue;
+    }
+    at::Tensor t = at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(device_));
+    batch.values.push_back(t);
+    data.push_back(post_receive({t}, from, tag(at, 1)));
+  }
+  for (auto& p : data) {
+    if (!wait(p, from, what)) return std::nullopt;
+  }
+  for (size_t k = 0; k < meta.values.size(); ++k) {
+    if (meta.values[k].defined && meta.values[k].requires_grad) batch.values[k].requires_grad_(true);
+  }
+  return Payload{std::move(batch), {}};
+}
+
+void ProcessGroupTransport::cancel() {
+  std::lock_guard<std::mutex> hold(mutex_);
+  cancelled_.store(true);
+  for (auto& p : waiting_) p.work->abort();
+  if (local_) local_->cancel();
+}
+
+void ProcessGroupTransport::finish() {
+  std::vector<Pending> sends;
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    TORCH_INTERNAL_ASSERT(headers_.empty(), "gpipe: a step ended with ", headers_.size(),
+                          " hand-offs not received");
+    sends.swap(sent_works_);
+  }
+  for (auto& p : sends) {
+    try {
+      p.work->wait();
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "gpipe: rank ", rank_, " could not hand its outputs on: ", e.what());
+    }
+  }
+}
+
+void ProcessGroupTransport::fail(const std::string& what) {
+  const auto [origin, text] =
+      peer_failure_ ? *peer_failure_ : std::pair<int64_t, std::string>{rank_, what};
+  std::set<Key> owed;
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    owed.swap(owed_);
+  }
+  // Peers that died refuse the message: nothing to tell them.
+  for (const auto& [stage, flow, microbatch] : owed) {
+    const Address a{stage, static_cast<Flow>(flow), microbatch};
+    try {
+      send_wire(pack(origin, text), kFailure, owner(stage), tag(a, 0));
+    } catch (const std::exception&) {
+    }
+  }
+  std::lock_guard<std::mutex> hold(mutex_);
+  for (auto& [k, p] : headers_) {
+    p.work->abort();
+    bury(std::move(p));
+  }
+  headers_.clear();
+  // Sends nobody will take: kept alive (they may still be read).
+  for (auto& p : sent_works_) bury(std::move(p));
+  sent_works_.clear();
+}
+
+}  // namespace gpipe::detail
