@@ -8,7 +8,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cstring>
 #include <exception>
 #include <limits>
 
@@ -30,20 +29,38 @@ std::vector<int64_t> pack(int64_t origin, const std::string& text) {
   const std::string cut = text.substr(0, std::min(text.size(), kFailureChars));
   std::vector<int64_t> ints{origin};
   std::vector<int64_t> chars((cut.size() + sizeof(int64_t) - 1) / sizeof(int64_t), 0);
-  std::copy(cut.begin(), cut.end(), reinterpret_cast<char*>(chars.data()));
+  for (size_t k = 0; k < cut.size(); ++k) {
+    chars[k / 8] |= static_cast<int64_t>(static_cast<uint8_t>(cut[k])) << (8 * (k % 8));
+  }
   ints.insert(ints.end(), chars.begin(), chars.end());
   return ints;
 }
 
 std::pair<int64_t, std::string> unpack(const std::vector<int64_t>& ints) {
   TORCH_CHECK(!ints.empty(), "gpipe: empty failure header");
-  std::string text(reinterpret_cast<const char*>(ints.data() + 1),
-                   (ints.size() - 1) * sizeof(int64_t));
-  text.resize(std::strlen(text.c_str()));
+  std::string text;
+  for (size_t k = 1; k < ints.size(); ++k) {
+    for (size_t b = 0; b < sizeof(int64_t); ++b) {
+      const auto c = static_cast<char>((static_cast<uint64_t>(ints[k]) >> (8 * b)) & 0xff);
+      if (c == '\0') return {ints[0], text};
+      text.push_back(c);
+    }
+  }
   return {ints[0], text};
 }
 
 const char* flow_name(Flow flow) { return flow == Flow::Activation ? "activations" : "grads"; }
+
+// A failure between ranks: the message names the ranks; a C++ backtrace of
+// this rank would only hide that.
+template <typename... Args>
+[[noreturn]] void fail_between_ranks(const Args&... args) {
+  throw c10::Error(c10::str(args...), /*backtrace=*/nullptr);
+}
+
+// The first line of an error (a Python error's what() goes on with its
+// traceback): what a failure header carries.
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
 
 }  // namespace
 
@@ -172,7 +189,7 @@ bool ProcessGroupTransport::wait(Pending& pending, int from, const std::string& 
     } catch (...) {
       message = "unknown error";
     }
-    TORCH_CHECK(false, "gpipe: rank ", rank_, " lost rank ", from, " while receiving ", what,
+    fail_between_ranks("gpipe: rank ", rank_, " lost rank ", from, " while receiving ", what,
                 ": ", message, " (rank ", from, " died, or did not answer within the process "
                 "group's timeout)");
   }
@@ -249,10 +266,11 @@ std::optional<Payload> ProcessGroupTransport::receive(const Address& at) {
   const auto* w = head.tensors[0].const_data_ptr<int64_t>();
   const int64_t kind = w[0];
   const int64_t length = w[1];
-  TORCH_CHECK((kind == kBatch || kind == kFailure) && length >= 0,
-              "gpipe: rank ", rank_, " got a malformed hand-off header from rank ", from,
-              " for ", what, " (kind ", kind, ", length ", length,
-              "); run the same gpipe version on every rank");
+  if ((kind != kBatch && kind != kFailure) || length < 0) {
+    fail_between_ranks("gpipe: rank ", rank_, " got a malformed hand-off header from rank ", from,
+                       " for ", what, " (kind ", kind, ", length ", length,
+                       "); run the same gpipe version on every rank");
+  }
   std::vector<int64_t> ints(w + 2, w + 2 + std::min(length, kWireBody));
   if (length > kWireBody) {
     Pending rest = post_receive({at::empty({length - kWireBody}, at::kLong)}, from, tag(at, 0));
@@ -263,7 +281,7 @@ std::optional<Payload> ProcessGroupTransport::receive(const Address& at) {
   if (kind == kFailure) {
     auto [origin, text] = unpack(ints);
     peer_failure_ = {origin, text};
-    TORCH_CHECK(false, "gpipe: rank ", origin, " failed, so rank ", rank_,
+    fail_between_ranks("gpipe: rank ", origin, " failed, so rank ", rank_,
                 " stopped waiting for ", what, " (from rank ", from, "); rank ", origin,
                 "'s error: ", text);
   }
@@ -308,14 +326,14 @@ void ProcessGroupTransport::finish() {
     try {
       p.work->wait();
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, "gpipe: rank ", rank_, " could not hand its outputs on: ", e.what());
+      fail_between_ranks("gpipe: rank ", rank_, " could not hand its outputs on: ", e.what());
     }
   }
 }
 
 void ProcessGroupTransport::fail(const std::string& what) {
   const auto [origin, text] =
-      peer_failure_ ? *peer_failure_ : std::pair<int64_t, std::string>{rank_, what};
+      peer_failure_ ? *peer_failure_ : std::pair<int64_t, std::string>{rank_, first_line(what)};
   std::set<Key> owed;
   {
     std::lock_guard<std::mutex> hold(mutex_);
