@@ -144,6 +144,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// last stage's rank, an empty batch elsewhere.
   Batch eval_step(const Batch& input);
 
+  /// Over a process group: fails the step this rank was about to run
+  /// (`training_step`: a train_step, else an eval_step) before it starts,
+  /// so that the other ranks, already in it, fail too (naming this rank and
+  /// `what`) instead of waiting. For errors found before the step (bad
+  /// arguments in the bindings). Nothing in-process.
+  void abandon_step(const std::string& what, bool training_step);
+
   /// The plan train_step runs for `microbatches` micro-batches (validated).
   const Plan& plan(int64_t microbatches);
   PlanKind plan_kind() const noexcept { return plan_kind_; }
@@ -187,6 +194,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// into `outputs`.
   at::Tensor step(const Batch& input, const Batch& target, const LossFn* loss_fn, bool training,
                   std::vector<Batch>* outputs);
+  /// abandon_step, for a caller already holding the Call.
+  void fail_before_step(const std::string& what, bool training_step);
   /// Whether this engine runs stage `stage` (of all_stages()).
   bool holds(int64_t stage) const noexcept {
     return !transport_ || transport_->owner(stage) == transport_->rank();

@@ -122,10 +122,22 @@ std::string listed(const std::vector<int64_t>& values) {
   return out.str();
 }
 
+// The first line of an error (a Python error's what() goes on with its
+// traceback): what the other ranks are told.
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
 int64_t total(const std::vector<int64_t>& values) {
   int64_t sum = 0;
   for (int64_t v : values) sum += v;
   return sum;
+}
+
+// Forward tasks only, in the plan's order: eval_step's plan.
+Plan forwards_of(Plan plan) {
+  for (auto& list : plan.lists) {
+    std::erase_if(list, [](const Task& t) { return t.op != Op::F; });
+  }
+  return plan;
 }
 
 }  // namespace
@@ -148,10 +160,13 @@ const Plan& Engine::plan(int64_t microbatches) {
 at::Tensor Engine::train_step(const Batch& input, const Batch& target, const LossFn& loss_fn,
                               bool training) {
   Call call(*this, "train_step");
-  GPIPE_CHECK_VALUE(at::GradMode::is_enabled(),
-                    "train_step was called with grad mode off (torch.no_grad() or inference "
-                    "mode); a training step needs grads: call it outside no_grad, or use forward "
-                    "for inference");
+  if (!at::GradMode::is_enabled()) {
+    const std::string what =
+        "train_step was called with grad mode off (torch.no_grad() or inference mode); a "
+        "training step needs grads: call it outside no_grad, or use forward for inference";
+    fail_before_step(what, /*training_step=*/true);
+    throw_value_error(what);
+  }
   return step(input, target, &loss_fn, training, nullptr);
 }
 
@@ -163,12 +178,17 @@ Batch Engine::eval_step(const Batch& input) {
   return gather(outputs, output_dims_);
 }
 
-// Forward tasks only, in the plan's order: eval_step's plan.
-static Plan forwards_of(Plan plan) {
-  for (auto& list : plan.lists) {
-    std::erase_if(list, [](const Task& t) { return t.op != Op::F; });
-  }
-  return plan;
+void Engine::abandon_step(const std::string& what, bool training_step) {
+  Call call(*this, training_step ? "train_step" : "eval_step");
+  fail_before_step(what, training_step);
+}
+
+void Engine::fail_before_step(const std::string& what, bool training_step) {
+  if (!transport_ || !failed_.empty()) return;
+  const Plan plan = training_step ? this->plan(chunks_) : forwards_of(this->plan(chunks_));
+  transport_->begin(chunks_, plan_handoffs(plan, transport_->rank()));
+  failed_ = first_line(what);
+  transport_->fail(what);
 }
 
 at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* loss_fn,
@@ -182,38 +202,65 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
   }
   const int64_t s_count = all_stages_;
   // Over a group, the input lives on stage 0's rank, the target on the last
-  // stage's; every rank runs `chunks` micro-batches.
+  // stage's; every rank runs `chunks` micro-batches, and the step's
+  // hand-offs start before anything here can fail: a bad argument on one
+  // rank then stops the others like any failure, instead of leaving them
+  // waiting for it.
   const bool first = holds(0);
   const bool last = holds(s_count - 1) && loss_fn != nullptr;
-  Scattered scattered = first ? scatter(input, chunks_, input_dims_) : Scattered();
-  Scattered targets = last ? scatter(target, chunks_, BatchDims{0}, "target") : Scattered();
-  if (transport_) {
-    GPIPE_CHECK_VALUE(!first || static_cast<int64_t>(scattered.microbatches.size()) == chunks_,
-                      "the input makes ", scattered.microbatches.size(), " micro-batches but "
-                      "every rank of the pipeline runs chunks=", chunks_,
-                      "; give at least ", chunks_, " rows");
-    GPIPE_CHECK_VALUE(!last || static_cast<int64_t>(targets.microbatches.size()) == chunks_,
-                      "the target makes ", targets.microbatches.size(), " micro-batches but "
-                      "every rank of the pipeline runs chunks=", chunks_,
-                      "; give one target row per input row, at least ", chunks_);
-  }
-  const auto m = transport_ ? chunks_ : static_cast<int64_t>(scattered.microbatches.size());
-  const auto target_rows = rows_of(targets);
-  const auto rows = first ? rows_of(scattered) : target_rows;
-  GPIPE_CHECK_VALUE(
-      rows.empty() || target_rows.empty() || rows == target_rows,
-      "train_step's target has ", total(target_rows), " rows along dim 0 (cut into ",
-      listed(target_rows), ") but the input has ", total(rows), " along its batch dim (cut into ",
-      listed(rows), "); the target is cut like the input: give one target row per input row");
-  GPIPE_CHECK_VALUE(!last || static_cast<int64_t>(targets.microbatches.size()) == m ||
-                        target_rows.empty(),
-                    "train_step's target makes ", targets.microbatches.size(),
-                    " micro-batches but the input ", m, "; give one target row per input row");
   std::optional<Plan> forwards;
-  // eval_step: the forwards of the schedule's plan, in its order (a valid
-  // plan's forwards alone cannot deadlock: they wait on forwards only).
-  if (!loss_fn) forwards = forwards_of(this->plan(m));
-  const Plan& plan = loss_fn ? this->plan(m) : *forwards;
+  auto plan_of = [&](int64_t microbatches) -> const Plan& {
+    if (loss_fn) return this->plan(microbatches);
+    // eval_step: the forwards of the schedule's plan, in its order (a valid
+    // plan's forwards alone cannot deadlock: they wait on forwards only).
+    forwards = forwards_of(this->plan(microbatches));
+    return *forwards;
+  };
+  const Plan* plan_ptr = nullptr;
+  if (transport_) {
+    plan_ptr = &plan_of(chunks_);
+    transport_->begin(chunks_, plan_handoffs(*plan_ptr, transport_->rank()));
+  }
+  Scattered scattered;
+  Scattered targets;
+  std::vector<int64_t> rows;
+  int64_t m = chunks_;
+  try {
+    if (first) scattered = scatter(input, chunks_, input_dims_);
+    if (last) targets = scatter(target, chunks_, BatchDims{0}, "target");
+    if (transport_) {
+      GPIPE_CHECK_VALUE(!first || static_cast<int64_t>(scattered.microbatches.size()) == chunks_,
+                        "the input makes ", scattered.microbatches.size(), " micro-batches but "
+                        "every rank of the pipeline runs chunks=", chunks_,
+                        "; give at least ", chunks_, " rows");
+      GPIPE_CHECK_VALUE(!last || static_cast<int64_t>(targets.microbatches.size()) == chunks_,
+                        "the target makes ", targets.microbatches.size(), " micro-batches but "
+                        "every rank of the pipeline runs chunks=", chunks_,
+                        "; give one target row per input row, at least ", chunks_);
+    } else {
+      m = static_cast<int64_t>(scattered.microbatches.size());
+    }
+    const auto target_rows = rows_of(targets);
+    rows = first ? rows_of(scattered) : target_rows;
+    GPIPE_CHECK_VALUE(
+        rows.empty() || target_rows.empty() || rows == target_rows,
+        "train_step's target has ", total(target_rows), " rows along dim 0 (cut into ",
+        listed(target_rows), ") but the input has ", total(rows),
+        " along its batch dim (cut into ", listed(rows),
+        "); the target is cut like the input: give one target row per input row");
+    GPIPE_CHECK_VALUE(!last || static_cast<int64_t>(targets.microbatches.size()) == m ||
+                          target_rows.empty(),
+                      "train_step's target makes ", targets.microbatches.size(),
+                      " micro-batches but the input ", m, "; give one target row per input row");
+  } catch (const std::exception& e) {
+    if (transport_) {
+      failed_ = first_line(e.what());
+      transport_->fail(e.what());
+    }
+    throw;
+  }
+  if (!plan_ptr) plan_ptr = &plan_of(m);
+  const Plan& plan = *plan_ptr;
 
   // Micro-batch i's loss counts rows_i / rows of the whole batch's mean.
   std::vector<double> scale(static_cast<size_t>(m), 1.0 / static_cast<double>(m));
@@ -258,11 +305,7 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
   // In-process: every stage here, mailboxes between them. Over a group:
   // this rank's stages, the process group between ranks.
   std::optional<Mailboxes> mailboxes;
-  if (transport_) {
-    transport_->begin(m, plan_handoffs(plan, transport_->rank()));
-  } else {
-    mailboxes.emplace(s_count, m);
-  }
+  if (!transport_) mailboxes.emplace(s_count, m);
   Transport& mail = transport_ ? static_cast<Transport&>(*transport_) : *mailboxes;
   if (outputs) outputs->assign(static_cast<size_t>(m), Batch());
 
@@ -379,7 +422,7 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
   // A failure over a group tells the other ranks before anything else.
   auto fail_group = [&](const std::string& what) {
     if (!transport_) return;
-    failed_ = what.substr(0, what.find('\n'));
+    failed_ = first_line(what);
     transport_->fail(what);
   };
   try {

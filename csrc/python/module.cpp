@@ -108,8 +108,15 @@ class PyEngine {
   // except on the last: an empty batch; so is the loss elsewhere.
   py::object train_step(py::handle input, py::handle target, const py::function& loss_fn,
                         bool training) {
-    detail::Batch batch = input.is_none() ? detail::Batch() : to_batch(input, "input");
-    detail::Batch targets = target.is_none() ? detail::Batch() : to_batch(target, "target");
+    detail::Batch batch;
+    detail::Batch targets;
+    try {
+      batch = input.is_none() ? detail::Batch() : to_batch(input, "input");
+      targets = target.is_none() ? detail::Batch() : to_batch(target, "target");
+    } catch (const std::exception& e) {
+      engine_->abandon_step(e.what(), /*training_step=*/true);
+      throw;
+    }
     // Called on the last stage's worker: takes the GIL for the call only.
     const detail::LossFn fn = [&loss_fn](const detail::Batch& out, const detail::Batch& t) {
       py::gil_scoped_acquire gil;
@@ -132,7 +139,13 @@ class PyEngine {
   }
 
   py::object eval_step(py::handle input) {
-    detail::Batch batch = input.is_none() ? detail::Batch() : to_batch(input, "input");
+    detail::Batch batch;
+    try {
+      batch = input.is_none() ? detail::Batch() : to_batch(input, "input");
+    } catch (const std::exception& e) {
+      engine_->abandon_step(e.what(), /*training_step=*/false);
+      throw;
+    }
     detail::Batch out;
     {
       py::gil_scoped_release no_gil;
@@ -148,6 +161,10 @@ class PyEngine {
 
   int64_t microbatches(py::handle input) {
     return engine_->microbatches(to_batch(input, "input"));
+  }
+
+  void abandon_step(const std::string& what, bool training_step) {
+    engine_->abandon_step(what, training_step);
   }
 
   detail::Tracer& tracer() { return engine_->tracer(); }
@@ -202,6 +219,14 @@ virtual_stages per rank); empty: every stage in this process.)doc")
            R"doc(One training step inside the pipeline: forward, loss_fn(output, target) per
 micro-batch (scaled by its share of the rows), backward, in the schedule's order; returns the
 batch's loss, detached (None on a rank without the last stage).)doc")
+      .def(
+          "abandon_step",
+          [](PyEngine& e, const std::string& what, bool training_step) {
+            e.abandon_step(what, training_step);
+          },
+          py::arg("what"), py::arg("training_step"), py::call_guard<py::gil_scoped_release>(),
+          R"doc(Over a process group: fails the step this rank was about to run (an error found
+before it, in Python), so the other ranks fail too, naming this rank and `what`.)doc")
       .def("eval_step", &PyEngine::eval_step, py::arg("input"),
            R"doc(Pipelined inference over the group's ranks (no grad): the gathered output on
 the rank of the last stage, None elsewhere.)doc")

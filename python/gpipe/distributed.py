@@ -147,15 +147,21 @@ class Pipe(nn.Module):
         group's point-to-point state is undefined after it): recreate the
         process group and the pipe.
         """
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got "
-                            f"{loss_fn!r}")
-        self._check_step(input, "train_step")
-        if self.is_last:
-            if target is None:
-                raise ValueError(f"rank {self.rank} holds the last stage, so train_step needs "
-                                 f"the target here: pass target=y if pipe.is_last else None")
-            _check_input(target, "target")
+        try:
+            if not callable(loss_fn):
+                raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got "
+                                f"{loss_fn!r}")
+            self._check_step(input, "train_step")
+            if self.is_last:
+                if target is None:
+                    raise ValueError(f"rank {self.rank} holds the last stage, so train_step "
+                                     f"needs the target here: pass target=y if pipe.is_last "
+                                     f"else None")
+                _check_input(target, "target")
+        except Exception as e:
+            # The other ranks are in the step already: they fail too, naming this rank.
+            self._engine.abandon_step(f"{type(e).__name__}: {e}", True)
+            raise
         loss = self._engine.train_step(input if self.is_first else None,
                                        target if self.is_last else None, loss_fn, self.training)
         if self.dp_group is not None:
@@ -167,7 +173,11 @@ class Pipe(nn.Module):
         """Pipelined inference: ``input`` (first rank only) through every
         stage, micro-batch by micro-batch, without grads or checkpoints.
         Returns the gathered output on the last rank, None elsewhere."""
-        self._check_step(input, "eval_step")
+        try:
+            self._check_step(input, "eval_step")
+        except Exception as e:
+            self._engine.abandon_step(f"{type(e).__name__}: {e}", False)
+            raise
         out = self._engine.eval_step(input if self.is_first else None)
         return out if self.is_last else None
 

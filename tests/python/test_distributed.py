@@ -89,9 +89,10 @@ def _max_grad_error(pipe, reference: nn.Sequential) -> float:
     return worst
 
 
-def _check_step(name: str, model: nn.Sequential, pipe, x, y, steps=1) -> None:
-    """Runs ``steps`` train steps (x, y lists or one pair) on both and reports the worst error."""
-    import gpipe.distributed  # noqa: F401
+def _check_step(name: str, model: nn.Sequential, pipe, x, y, single=None) -> None:
+    """Runs a train step per pair (x, y lists, or one pair) on the pipe and on the plain model
+    (and, when given, on ``single``: the same model in a single-process gpipe.Pipe) and reports
+    the worst errors."""
     reference = copy.deepcopy(model)
     pairs = list(zip(x, y)) if isinstance(x, list) else [(x, y)]
     worst = 0.0
@@ -104,6 +105,11 @@ def _check_step(name: str, model: nn.Sequential, pipe, x, y, steps=1) -> None:
         expected = nn.functional.mse_loss(reference(xs), ys)
         expected.backward()
         worst = max(worst, _max_grad_error(pipe, reference))
+        if single is not None:
+            for p in single.parameters():
+                p.grad = None
+            single.train_step(xs, ys, nn.functional.mse_loss)
+            worst = max(worst, _max_grad_error(pipe, single))
         if pipe.is_last:
             loss_error = max(loss_error, (loss - expected.detach()).abs().item())
         else:
@@ -124,9 +130,11 @@ def _worker_train() -> None:
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)):
         layers = 8 * v
         model = _mlp(layers)
+        single = gpipe.Pipe(copy.deepcopy(model), [2] * (WORLD * v), chunks=4,
+                            schedule=schedule, virtual_stages=v, devices=["cpu"] * WORLD)
         pipe = gpipe.distributed.Pipe(model, [2] * (WORLD * v),
                                       chunks=4, schedule=schedule, virtual_stages=v)
-        _check_step(schedule, model, pipe, x, y)
+        _check_step(schedule, model, pipe, x, y, single)
 
     # Shapes change between steps: a sequence length of 3, then 5.
     model = _mlp(8)
@@ -142,6 +150,7 @@ def _worker_train() -> None:
             _report(check="eval", error=(out - model(x)).abs().max().item())
     else:
         _report(check="eval", error=0.0 if out is None else 1.0)
+
     dist.destroy_process_group()
 
 
@@ -168,6 +177,35 @@ def _worker_dp() -> None:
     nn.functional.mse_loss(reference(x), y).backward()
     _report(check="pp_x_dp", grad_error=_max_grad_error(pipe, reference), stages=pipe.stages)
     dist.destroy_process_group()
+
+
+def _worker_errors() -> None:
+    import torch.distributed as dist
+
+    import gpipe.distributed
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    x = torch.randn(8, 6, dtype=torch.double)
+    errors = {}
+    try:
+        gpipe.distributed.Pipe(_mlp(8), [4, 4])
+    except ValueError as e:
+        errors["balance"] = str(e)
+    # One rank's bad argument fails the step on every rank. Each case on a
+    # group of its own: a failed step leaves its group's hand-offs unusable.
+    cases = {"input": (None if rank == 0 else x, x),
+             "target": (x, None if rank == 3 else x),
+             "rows": (x[:3] if rank == 0 else x, x)}
+    for what, (xs, ys) in cases.items():
+        pipe = gpipe.distributed.Pipe(_mlp(8), [2, 2, 2, 2], chunks=4, group=dist.new_group())
+        try:
+            pipe.train_step(xs if pipe.is_first else None, target=ys if pipe.is_last else None,
+                            loss_fn=nn.functional.mse_loss)
+            errors[what] = None
+        except Exception as e:
+            errors[what] = f"{type(e).__name__}: {e}"
+    _report(check="errors", errors=errors)
 
 
 class _Raises(nn.Module):
@@ -251,6 +289,33 @@ def test_eval_step(train):
     assert train["codes"] == [0] * WORLD, train["logs"]
 
 
+def test_errors_name_value_and_fix():
+    run = _spawn("errors")
+    expected = {
+        "input": (0, "ValueError: rank 0 holds stage 0, so train_step needs the input here: "
+                     "pass train_step(x if pipe.is_first else None, ...)"),
+        "target": (3, "ValueError: rank 3 holds the last stage, so train_step needs the target "
+                      "here: pass target=y if pipe.is_last else None"),
+        "rows": (0, "ValueError: the input makes 3 micro-batches but every rank of the pipeline "
+                    "runs chunks=4; give at least 4 rows"),
+    }
+    for rank, r in _results(run, "errors").items():
+        errors = r["errors"]
+        assert errors["balance"] == (
+            "balance has 2 stages but the group has 4 ranks x virtual_stages 1 = 4 stages; pass "
+            "4 entries (layers per stage; stage s runs on rank s % 4)"), errors
+        for what, (culprit, message) in expected.items():
+            if rank == culprit:
+                assert errors[what] == message, (what, errors)
+            else:
+                # The others fail too (no hang), naming the culprit and its error.
+                assert errors[what].startswith(f"RuntimeError: gpipe: stage {rank}, micro-batch "
+                                               f"0, "), (what, errors)
+                assert f"rank {culprit} failed" in errors[what], (what, errors)
+                assert message.split(": ", 1)[1] in errors[what], (what, errors)
+    assert run["codes"] == [0] * WORLD, run["logs"]
+
+
 def test_pipeline_times_data_parallel():
     run = _spawn("dp")
     for rank, r in _results(run, "pp_x_dp").items():
@@ -280,4 +345,5 @@ def test_errors_without_a_group():
 
 
 if __name__ == "__main__":
-    {"train": _worker_train, "dp": _worker_dp, "fail": _worker_fail}[sys.argv[1]]()
+    {"train": _worker_train, "dp": _worker_dp, "fail": _worker_fail,
+     "errors": _worker_errors}[sys.argv[1]]()
