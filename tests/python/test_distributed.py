@@ -223,6 +223,21 @@ class _Raises(nn.Module):
         return x
 
 
+class _Dies(nn.Module):
+    """Kills its process in the forward of its second call (micro-batch 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            _report(check="died", at=time.time())
+            os._exit(3)
+        return x
+
+
 def _worker_fail() -> None:
     import torch.distributed as dist
 
@@ -245,6 +260,19 @@ def _worker_fail() -> None:
         _report(check="after", error=None)
     except Exception as e:
         _report(check="after", error=f"{type(e).__name__}: {e}")
+
+    # Rank 2's process dies in its layer: the others lose it (a fresh group:
+    # the failed step's is unusable).
+    model = _mlp(8)
+    model[4] = _Dies()
+    pipe = gpipe.distributed.Pipe(model, [2, 2, 2, 2], chunks=4, schedule="1f1b",
+                                  group=dist.new_group())
+    try:
+        pipe.train_step(x if pipe.is_first else None, target=x if pipe.is_last else None,
+                        loss_fn=nn.functional.mse_loss)
+        _report(check="killed", error=None, at=time.time())
+    except Exception as e:
+        _report(check="killed", error=f"{type(e).__name__}: {e}", at=time.time())
 
 
 # ---- the tests -----------------------------------------------------------------------------
@@ -335,7 +363,16 @@ def test_failing_rank_stops_every_rank():
         else:
             assert "rank 2 failed" in r["error"] and "layer 4 refuses" in r["error"], r
     for rank, r in _results(run, "after").items():
-        assert r["error"] is not None and "a previous step over this process group failed" in r["error"], (rank, r)
+        assert r["error"] is not None, (rank, r)
+        assert "a previous step over this process group failed" in r["error"], (rank, r)
+    # A rank killed: the others name it.
+    died = _results({"results": {2: run["results"][2]}, "logs": run["logs"]}, "died")[2]
+    killed = _results({"results": {r: run["results"][r] for r in (0, 1, 3)},
+                       "logs": run["logs"]}, "killed")
+    for rank, r in killed.items():
+        assert r["error"] is not None and "rank 2" in r["error"], (rank, r)
+        assert r["at"] - died["at"] <= FAILURE_DEADLINE, (rank, r, died)
+    assert run["codes"][2] == 3 and [run["codes"][r] for r in (0, 1, 3)] == [0] * 3, run["logs"]
 
 
 def test_errors_without_a_group():
