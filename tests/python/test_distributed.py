@@ -375,6 +375,22 @@ def test_failing_rank_stops_every_rank():
     assert run["codes"][2] == 3 and [run["codes"][r] for r in (0, 1, 3)] == [0] * 3, run["logs"]
 
 
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
+                       "examples", "train_distributed.py")
+
+
+def test_example_under_torchrun():
+    """README's command: torchrun --nproc-per-node 4 examples/train_distributed.py."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           str(WORLD), "--master-port", str(_free_port()), EXAMPLE],
+                          env=env, capture_output=True, text=True, timeout=SPAWN_DEADLINE)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert out.count(": OK") == WORLD, out
+    assert "step 4: loss" in out, out
+
+
 def test_errors_without_a_group():
     import gpipe.distributed
     with pytest.raises(RuntimeError, match="init_process_group"):
