@@ -43,4 +43,8 @@ namespace gpipe::detail {
 /// "1 layer", "2 layers", "0 layers": a count with its noun, for messages.
 std::string count(int64_t n, const char* noun);
 
+/// A class name without its namespaces ("Down" for "unet::(anonymous
+/// namespace)::Down"), for messages.
+std::string short_name(const std::string& type_name);
+
 }  // namespace gpipe::detail

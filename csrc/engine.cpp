@@ -75,6 +75,49 @@ Batch receive_traced(Payload in, const Lane& lane, Tracer& tracer, int64_t step,
   return out;
 }
 
+Skips::Skips(std::vector<SkipRoute> all, int64_t stages)
+    : routes(std::move(all)),
+      arriving(static_cast<size_t>(stages)),
+      leaving(static_cast<size_t>(stages)) {
+  for (size_t r = 0; r < routes.size(); ++r) {
+    const auto& route = routes[r];
+    GPIPE_CHECK_VALUE(0 <= route.from && route.from < route.to && route.to < stages,
+                      "skip route ", r, " runs from stage ", route.from, " to stage ", route.to,
+                      " in a pipeline of ", stages, " stages; a skip goes from a stage to a later "
+                      "one (one stashed and popped in the same stage is no route)");
+    leaving[static_cast<size_t>(route.from)].push_back(static_cast<int64_t>(r));
+    arriving[static_cast<size_t>(route.to)].push_back(static_cast<int64_t>(r));
+  }
+}
+
+bool receive_skips(Transport& transport, Flow flow, const std::vector<int64_t>& routes,
+                   int64_t stage, int64_t i, Batch& batch, const Lane& lane, Tracer& tracer,
+                   int64_t step) {
+  for (int64_t r : routes) {
+    auto in = transport.receive({stage, flow, i, r});
+    if (!in) return false;
+    Batch skip = receive_traced(std::move(*in), lane, tracer, step, stage, i);
+    TORCH_INTERNAL_ASSERT(skip.size() == 1);
+    batch.values.push_back(std::move(skip[0]));
+  }
+  return true;
+}
+
+void send_skips(Transport& transport, Flow flow, const std::vector<int64_t>& routes,
+                const Skips& skips, int64_t i, Batch& batch,
+                const std::vector<std::shared_ptr<c10::Event>>& ready) {
+  TORCH_CHECK(batch.size() >= routes.size(), "a stage returned ", batch.size(),
+              " values but stashes ", routes.size(), " skips for later stages");
+  const size_t first = batch.size() - routes.size();
+  for (size_t k = 0; k < routes.size(); ++k) {
+    const auto& route = skips.routes[static_cast<size_t>(routes[k])];
+    const int64_t to = flow == Flow::Skip ? route.to : route.from;
+    transport.send({to, flow, i, routes[k]},
+                   Payload{Batch(std::move(batch.values[first + k])), ready});
+  }
+  batch.values.resize(first);
+}
+
 std::vector<int> intra_op_split(const std::vector<c10::Device>& devices, int64_t option,
                                 int available) {
   GPIPE_CHECK_VALUE(option >= -1, "intra_op_threads is ", option,
@@ -139,6 +182,7 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
                                   : static_cast<int64_t>(j);
     stages_.push_back(std::make_unique<Stage>(index, std::move(layers[j]), devices[j]));
   }
+  skips_ = Skips({}, stages());
 }
 
 void Engine::set_batch_dims(BatchDims input, BatchDims output) {
@@ -254,17 +298,30 @@ Batch Engine::forward(const Batch& input, bool training) {
   }
 
   PipeRun& r = *run;
-  const CellFn cell = [this, &r, stop, step](int64_t j, const Action& action, Payload in,
-                                             const char*& /*phase*/) {
+  // Skips go straight from the stashing stage to the popping one. A stage
+  // stashes for micro-batch i before it hands i on, so by the time i
+  // reaches the popping stage its skips are there: no receive here waits.
+  Mailboxes skip_mail(k, m, skips_.size());
+  const CellFn cell = [this, &r, &skip_mail, stop, step](int64_t j, const Action& action,
+                                                         Payload in, const char*& /*phase*/) {
     Stage& stage = *stages_[static_cast<size_t>(j)];
     auto guard = on_compute_stream(stage);
     const int64_t i = action.microbatch;
     Batch x = receive_traced(std::move(in), stage.lane(), tracer_, step, j, i);
+    const auto& arriving = skips_.arriving[static_cast<size_t>(j)];
+    if (!arriving.empty()) {
+      const bool received = receive_skips(skip_mail, Flow::Skip, arriving, j, i, x, stage.lane(),
+                                          tracer_, step);
+      TORCH_INTERNAL_ASSERT(received);
+    }
     Span span(tracer_, step, j, i, TracePhase::Forward, stage.lane().compute);
     Batch y = stage.forward(r.cells[static_cast<size_t>(j)][static_cast<size_t>(i)], x, i < stop,
                             stop > 0);
     span.finish();
-    return Payload{std::move(y), mark(stage.lane().compute)};
+    auto ready = mark(stage.lane().compute);
+    const auto& leaving = skips_.leaving[static_cast<size_t>(j)];
+    if (!leaving.empty()) send_skips(skip_mail, Flow::Skip, leaving, skips_, i, y, ready);
+    return Payload{std::move(y), std::move(ready)};
   };
   // The one capture of the caller's state serves the forward cells and,
   // later, the recomputes. The stages start after the caller's queued work
@@ -311,18 +368,36 @@ Batch Engine::forward(const Batch& input, bool training) {
   // graph, so autograd neither runs the backward for it nor waits for it:
   // grads reach stage j only when every later stage's graphs reach their
   // inputs.
+  // A stage's grads come back from the next stage (when its graphs reach
+  // its main input) and along the skips it stashed (when the popping
+  // stage's graphs reach the skip).
   run->reaches_input.assign(static_cast<size_t>(k), false);
+  std::vector<bool> reaches_main(static_cast<size_t>(k), false);
+  std::vector<bool> reaches_skip(static_cast<size_t>(skips_.size()), false);
   for (int64_t j = 0; j < k; ++j) {
+    const auto& arriving = skips_.arriving[static_cast<size_t>(j)];
     for (const auto& c : run->cells[static_cast<size_t>(j)]) {
-      for (bool reached : c.cut.reached) {
-        if (reached) run->reaches_input[static_cast<size_t>(j)] = true;
+      if (c.cut.reached.size() < arriving.size()) continue;
+      const size_t main = c.cut.reached.size() - arriving.size();
+      for (size_t v = 0; v < c.cut.reached.size(); ++v) {
+        if (!c.cut.reached[v]) continue;
+        run->reaches_input[static_cast<size_t>(j)] = true;
+        if (v < main) {
+          reaches_main[static_cast<size_t>(j)] = true;
+        } else {
+          reaches_skip[static_cast<size_t>(arriving[v - main])] = true;
+        }
       }
     }
   }
   std::vector<bool> connected(static_cast<size_t>(k), true);
   for (int64_t j = k - 2; j >= 0; --j) {
-    connected[static_cast<size_t>(j)] =
-        connected[static_cast<size_t>(j + 1)] && run->reaches_input[static_cast<size_t>(j + 1)];
+    bool linked = connected[static_cast<size_t>(j + 1)] && reaches_main[static_cast<size_t>(j + 1)];
+    for (int64_t route : skips_.leaving[static_cast<size_t>(j)]) {
+      const auto to = static_cast<size_t>(skips_.routes[static_cast<size_t>(route)].to);
+      linked = linked || (connected[to] && reaches_skip[static_cast<size_t>(route)]);
+    }
+    connected[static_cast<size_t>(j)] = linked;
   }
   for (int64_t j = 0; j < k; ++j) {
     if (!connected[static_cast<size_t>(j)]) continue;
@@ -396,9 +471,18 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
       }
     }
   }
+  // owes[j]: whether anything before stage j (or j itself) wants a grad
+  // it makes; a stage's main input grads serve stage j - 1, a popped skip's
+  // grad the stashing stage.
+  std::vector<bool> owes(static_cast<size_t>(k), false);
   for (size_t v = 0; v < inputs; ++v) wants_input[0] = wants_input[0] || needed[v];
-  for (size_t j = 1; j < static_cast<size_t>(k); ++j) {
-    wants_input[j] = wants_input[j - 1] || wants_external[j - 1];
+  for (size_t j = 0; j < static_cast<size_t>(k); ++j) {
+    if (j > 0) wants_input[j] = owes[j - 1];
+    for (int64_t route : skips_.arriving[j]) {
+      const auto from = static_cast<size_t>(skips_.routes[static_cast<size_t>(route)].from);
+      wants_input[j] = wants_input[j] || owes[from];
+    }
+    owes[j] = wants_input[j] || wants_external[j];
   }
   // A stage whose graphs reach no input passes no grad back: the stages
   // before it get none from it.
@@ -426,8 +510,12 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     }
   }
   auto accumulator_locks = std::make_unique<std::mutex[]>(externals);
+  // Skip grads go straight back to the stashing stage, which gets them
+  // before the next stage's grad (the popping stage hands i on after it
+  // sent them): no receive here waits.
+  Mailboxes skip_mail(k, m, skips_.size());
   const CellFn cell = [this, &run, &sums, &owned, &accumulators, &accumulator_locks, &needed,
-                       &wants_input, &wants_external, inputs,
+                       &wants_input, &wants_external, &owes, &skip_mail, inputs,
                        keep_graph](int64_t j, const Action& action, Payload in,
                                    const char*& phase) {
     Stage& stage = *stages_[static_cast<size_t>(j)];
@@ -435,11 +523,25 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     const int64_t i = action.microbatch;
     Cell& c = run.cells[static_cast<size_t>(j)][static_cast<size_t>(i)];
     Batch dy = receive_traced(std::move(in), stage.lane(), tracer_, run.step, j, i);
+    const auto& leaving = skips_.leaving[static_cast<size_t>(j)];
+    const auto& arriving = skips_.arriving[static_cast<size_t>(j)];
+    if (!leaving.empty()) {
+      const bool received = receive_skips(skip_mail, Flow::SkipGrad, leaving, j, i, dy,
+                                          stage.lane(), tracer_, run.step);
+      TORCH_INTERNAL_ASSERT(received);
+    }
     const size_t values = c.checkpointed ? c.saved.size() : c.leaves.size();
-    std::vector<bool> wanted_inputs(values, wants_input[static_cast<size_t>(j)]);
+    TORCH_INTERNAL_ASSERT(values >= arriving.size());
+    const size_t main = values - arriving.size();
+    std::vector<bool> wanted_inputs(values, j > 0 && owes[static_cast<size_t>(j - 1)]);
     if (j == 0) {
       for (size_t v = 0; v < values && v < inputs; ++v) wanted_inputs[v] = needed[v];
     }
+    for (size_t a = 0; a < arriving.size(); ++a) {
+      const auto& route = skips_.routes[static_cast<size_t>(arriving[a])];
+      wanted_inputs[main + a] = owes[static_cast<size_t>(route.from)];
+    }
+    if (j > 0 && !wants_input[static_cast<size_t>(j)]) wanted_inputs.assign(values, false);
     bool any_grad = false;
     for (const auto& g : dy.values) any_grad = any_grad || g.defined();
     if (!any_grad ||
@@ -448,6 +550,7 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
       // no recompute, no backward, as autograd would not run them.
       Batch nothing(std::vector<at::Tensor>(values), c.input_atomic);
       if (!keep_graph) c = Cell();
+      send_skips(skip_mail, Flow::SkipGrad, arriving, skips_, i, nothing, {});
       return Payload{std::move(nothing), {}};
     }
     if (c.checkpointed) {
@@ -489,7 +592,9 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
       }
     }
     span.finish();
-    return Payload{std::move(dx), mark(stage.lane().compute)};
+    auto ready = mark(stage.lane().compute);
+    if (!arriving.empty()) send_skips(skip_mail, Flow::SkipGrad, arriving, skips_, i, dx, ready);
+    return Payload{std::move(dx), std::move(ready)};
   };
 
   // CUDA deadlock rule (docs/gpu.md). The autograd engine runs each node on

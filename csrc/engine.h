@@ -73,6 +73,35 @@ int64_t checkpointed_microbatches(Checkpoint mode, int64_t microbatches);
 Batch receive_traced(Payload in, const Lane& lane, Tracer& tracer, int64_t step, int64_t stage,
                      int64_t microbatch);
 
+/// A run's skip routes (see SkipRoute), looked up by stage.
+struct Skips {
+  std::vector<SkipRoute> routes;
+  /// Per stage: the routes arriving there (popped), and those leaving
+  /// (stashed), in route order.
+  std::vector<std::vector<int64_t>> arriving;
+  std::vector<std::vector<int64_t>> leaving;
+
+  Skips() = default;
+  /// Checks that every route runs forward between two of `stages` stages.
+  Skips(std::vector<SkipRoute> routes, int64_t stages);
+  bool empty() const noexcept { return routes.empty(); }
+  int64_t size() const noexcept { return static_cast<int64_t>(routes.size()); }
+};
+
+/// Appends to `batch` what arrives at stage `stage` for micro-batch `i`
+/// along `routes` (numbers into `skips.routes`) as `flow` (Skip: stashed
+/// tensors, popped here; SkipGrad: their grads, back at the stashing
+/// stage), moved to `lane`'s device. False once the hand-off is cancelled.
+bool receive_skips(Transport& transport, Flow flow, const std::vector<int64_t>& routes,
+                   int64_t stage, int64_t i, Batch& batch, const Lane& lane, Tracer& tracer,
+                   int64_t step);
+/// Takes the last `routes.size()` values off `batch` and sends each along
+/// its route as `flow`: a Skip to the route's popping stage, a SkipGrad
+/// back to its stashing stage.
+void send_skips(Transport& transport, Flow flow, const std::vector<int64_t>& routes,
+                const Skips& skips, int64_t i, Batch& batch,
+                const std::vector<std::shared_ptr<c10::Event>>& ready);
+
 /// Intra-op threads of each stage's worker (0: torch's setting) for the
 /// `intra_op_threads` option (see PipeOptions), splitting `available`
 /// threads between the CPU stages among `devices` (one per stage).
@@ -171,6 +200,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
     return static_cast<int64_t>(scatter(input, chunks_, input_dims_).microbatches.size());
   }
 
+  /// The skip connections across stages (see SkipRoute): the stages'
+  /// layers take and return the extra values. Set before the first run.
+  void set_skip_routes(std::vector<SkipRoute> routes) {
+    skips_ = Skips(std::move(routes), all_stages_);
+  }
+  const Skips& skips() const noexcept { return skips_; }
+
   /// Called with a failed run's error before it is thrown; may throw
   /// something else instead (the Python bindings raise the layer's own
   /// Python exception). Set before the first run.
@@ -237,6 +273,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   PlanKind plan_kind_;
   /// The last plan made, for its micro-batch count.
   std::optional<Plan> plan_;
+  Skips skips_;
   ErrorHook error_hook_;
   Tracer tracer_;
 };

@@ -47,6 +47,21 @@ std::string count(int64_t n, const char* noun) {
   return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
 }
 
+std::string short_name(const std::string& type_name) {
+  // After the last "::" outside template arguments and parentheses.
+  size_t start = 0;
+  int depth = 0;
+  for (size_t k = 0; k < type_name.size(); ++k) {
+    const char c = type_name[k];
+    if (c == '<' || c == '(') ++depth;
+    if (c == '>' || c == ')') --depth;
+    if (depth == 0 && c == ':' && k + 1 < type_name.size() && type_name[k + 1] == ':') {
+      start = k + 2;
+    }
+  }
+  return type_name.substr(start);
+}
+
 }  // namespace detail
 
 }  // namespace gpipe

@@ -2,6 +2,7 @@
 #include "profile.h"
 
 #include <gpipe/balance.h>
+#include <gpipe/skip.h>
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/ones_like.h>
@@ -87,6 +88,14 @@ Activation graph_input(const Activation& x) {
   });
 }
 
+// A skip waiting for its pop, as the popping layer's own graph input (on
+// the profiling device): each layer's backward stays within that layer.
+at::Tensor skip_input(const at::Tensor& t, c10::Device device) {
+  if (!t.defined()) return t;
+  at::Tensor on = t.detach().to(device);
+  return can_require_grad(on) ? on.requires_grad_(true) : on;
+}
+
 Activation detached(const Activation& x) {
   return map(x, [](const at::Tensor& t) { return t.detach(); });
 }
@@ -128,6 +137,8 @@ std::vector<double> layer_times(torch::nn::Sequential model, const Activation& s
   // allocators fill) and is not counted.
   for (int64_t round = 0;; ++round) {
     Activation x = map(sample, [&](const at::Tensor& t) { return t.to(device); });
+    SkipTracker skips;
+    UseSkipTracker use(skips);
     size_t i = 0;
     for (auto& layer : *model) {
       // This layer alone on the device; back where it was at the end of
@@ -135,6 +146,7 @@ std::vector<double> layer_times(torch::nn::Sequential model, const Activation& s
       ModelSnapshot resident(*layer.ptr());
       layer.ptr()->to(device);
       Activation in = graph_input(x);
+      skips.transform([&](const at::Tensor& t) { return skip_input(t, device); });
       synchronize(device);
       const auto t0 = Clock::now();
       Activation y = as_activation(call(layer, in), i);
@@ -169,6 +181,8 @@ std::vector<double> layer_sizes(torch::nn::Sequential model, const Activation& i
   std::vector<double> bytes;
   at::AutoGradMode grad(true);
   Activation x = map(input, [&](const at::Tensor& t) { return t.to(device); });
+  SkipTracker skips;
+  UseSkipTracker use(skips);
   size_t i = 0;
   for (auto& layer : *model) {
     ModelSnapshot resident(*layer.ptr());
@@ -176,6 +190,7 @@ std::vector<double> layer_sizes(torch::nn::Sequential model, const Activation& i
     double params = 0;
     for (const auto& p : layer.ptr()->parameters()) params += static_cast<double>(p.nbytes());
     Activation in = graph_input(x);
+    skips.transform([&](const at::Tensor& t) { return skip_input(t, device); });
     std::optional<torch::nn::AnyValue> y;
     int64_t kept = 0;
     {

@@ -37,8 +37,13 @@ constexpr int kDrawsNot = 2;
 // outputs instead: non-leaf aliases of the leaves.
 //
 //   leaf (requires grad, .grad = input grad) <- Boundary <- layers (may work in place)
+//
+// A leaf whose alias no grad reaches gets none (not zeros, which autograd
+// would make up by default when another alias of the same node gets one):
+// the stage before then runs no backward for it, as in the plain model.
 struct Boundary : torch::autograd::Function<Boundary> {
-  static variable_list forward(AutogradContext* /*ctx*/, at::TensorList xs) {
+  static variable_list forward(AutogradContext* ctx, at::TensorList xs) {
+    ctx->set_materialize_grads(false);
     variable_list out;
     out.reserve(xs.size());
     for (const auto& x : xs) out.push_back(x.detach());

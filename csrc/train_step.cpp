@@ -186,7 +186,8 @@ void Engine::abandon_step(const std::string& what, bool training_step) {
 void Engine::fail_before_step(const std::string& what, bool training_step) {
   if (!transport_ || !failed_.empty()) return;
   const Plan plan = training_step ? this->plan(chunks_) : forwards_of(this->plan(chunks_));
-  transport_->begin(chunks_, plan_handoffs(plan, transport_->rank()));
+  transport_->begin(chunks_, plan_handoffs(plan, transport_->rank(), skips_.routes),
+                    skips_.routes);
   failed_ = first_line(what);
   transport_->fail(what);
 }
@@ -219,7 +220,8 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
   const Plan* plan_ptr = nullptr;
   if (transport_) {
     plan_ptr = &plan_of(chunks_);
-    transport_->begin(chunks_, plan_handoffs(*plan_ptr, transport_->rank()));
+    transport_->begin(chunks_, plan_handoffs(*plan_ptr, transport_->rank(), skips_.routes),
+                      skips_.routes);
   }
   Scattered scattered;
   Scattered targets;
@@ -305,7 +307,7 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
   // In-process: every stage here, mailboxes between them. Over a group:
   // this rank's stages, the process group between ranks.
   std::optional<Mailboxes> mailboxes;
-  if (!transport_) mailboxes.emplace(s_count, m);
+  if (!transport_) mailboxes.emplace(s_count, m, skips_.size());
   Transport& mail = transport_ ? static_cast<Transport&>(*transport_) : *mailboxes;
   if (outputs) outputs->assign(static_cast<size_t>(m), Batch());
 
@@ -325,11 +327,18 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
       }
       if (!in) return;  // cancelled
       Batch x = receive_traced(std::move(*in), lane, tracer_, step, s, i);
+      if (!receive_skips(mail, Flow::Skip, skips_.arriving[static_cast<size_t>(s)], s, i, x, lane,
+                         tracer_, step)) {
+        return;  // cancelled
+      }
       Span span(tracer_, step, s, i, TracePhase::Forward, lane.compute);
       Batch y = stage.forward(cell, x, i < stop, stop > 0);
       span.finish();
       if (s + 1 < s_count) {
-        mail.send({s + 1, Flow::Activation, i}, Payload{std::move(y), mark(lane.compute)});
+        // Skips first: the popping stage gets them before micro-batch i.
+        auto ready = mark(lane.compute);
+        send_skips(mail, Flow::Skip, skips_.leaving[static_cast<size_t>(s)], skips_, i, y, ready);
+        mail.send({s + 1, Flow::Activation, i}, Payload{std::move(y), std::move(ready)});
         return;
       }
       if (!loss_fn) {
@@ -385,6 +394,10 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
       if (!in) return;  // cancelled
       dy = receive_traced(std::move(*in), lane, tracer_, step, s, i);
     }
+    if (!receive_skips(mail, Flow::SkipGrad, skips_.leaving[static_cast<size_t>(s)], s, i, dy, lane,
+                       tracer_, step)) {
+      return;  // cancelled
+    }
     const char* name = phase;
     if (cell.checkpointed) {
       phase = "recompute";
@@ -409,7 +422,10 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
       Outside::add(entries, external_grads);
       span.finish();
     }
-    Payload out{std::move(dx), mark(lane.compute)};
+    auto ready = mark(lane.compute);
+    // Skip grads first: the stashing stage gets them before micro-batch i.
+    send_skips(mail, Flow::SkipGrad, skips_.arriving[static_cast<size_t>(s)], skips_, i, dx, ready);
+    Payload out{std::move(dx), std::move(ready)};
     if (s > 0) {
       mail.send({s - 1, Flow::Grad, i}, std::move(out));
     } else {

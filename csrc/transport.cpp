@@ -88,17 +88,30 @@ BatchMeta decode(const std::vector<int64_t>& header) {
   return meta;
 }
 
-Mailboxes::Mailboxes(int64_t stages, int64_t microbatches)
+Mailboxes::Mailboxes(int64_t stages, int64_t microbatches, int64_t routes)
     : stages_(stages),
       microbatches_(microbatches),
-      slots_(static_cast<size_t>(stages * 2 * microbatches)),
+      routes_(routes),
+      slots_(static_cast<size_t>((stages + routes) * 2 * microbatches)),
       boxes_(static_cast<size_t>(stages)) {}
 
 Mailboxes::Slot& Mailboxes::slot(const Address& a) {
   TORCH_INTERNAL_ASSERT(a.stage >= 0 && a.stage < stages_ && a.microbatch >= 0 &&
                         a.microbatch < microbatches_);
-  const auto index = (a.stage * 2 + static_cast<int64_t>(a.flow)) * microbatches_ + a.microbatch;
-  return slots_[static_cast<size_t>(index)];
+  // Activations and grads by stage, then skips and their grads by route.
+  int64_t row = 0;
+  switch (a.flow) {
+    case Flow::Activation:
+    case Flow::Grad:
+      row = a.stage * 2 + static_cast<int64_t>(a.flow);
+      break;
+    case Flow::Skip:
+    case Flow::SkipGrad:
+      TORCH_INTERNAL_ASSERT(a.route >= 0 && a.route < routes_);
+      row = (stages_ + a.route) * 2 + (a.flow == Flow::Skip ? 0 : 1);
+      break;
+  }
+  return slots_[static_cast<size_t>(row * microbatches_ + a.microbatch)];
 }
 
 void Mailboxes::send(const Address& to, Payload payload) {

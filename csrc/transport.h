@@ -52,13 +52,27 @@ BatchMeta describe(const Batch& batch);
 std::vector<int64_t> encode(const BatchMeta& meta);
 BatchMeta decode(const std::vector<int64_t>& header);
 
-enum class Flow : uint8_t { Activation, Grad };
+/// Activations go to the next stage and grads to the previous one; a skip
+/// (a tensor one layer stashes and a later stage's layer pops) goes straight
+/// along its route, and its grad straight back.
+enum class Flow : uint8_t { Activation, Grad, Skip, SkipGrad };
 
 struct Address {
   /// The receiving stage.
   int64_t stage;
   Flow flow;
   int64_t microbatch;
+  /// Skip and SkipGrad: the route's number (see SkipRoute).
+  int64_t route = 0;
+};
+
+/// A skip connection across stages: what stage `from` stashes, stage `to`
+/// (later) pops. A stage's layers take its main input values followed by
+/// one value per route arriving there, and return their main outputs
+/// followed by one value per route leaving there, both in route order.
+struct SkipRoute {
+  int64_t from;
+  int64_t to;
 };
 
 class Transport {
@@ -74,11 +88,12 @@ class Transport {
 };
 
 /// The in-process hand-off: one slot per address, written once, taken once.
+/// `routes`: how many skip routes the run has.
 /// A receiver spins briefly before it parks (a CPU cell can be shorter than
 /// waking a parked thread); a sender notifies only when someone is parked.
 class Mailboxes final : public Transport {
  public:
-  Mailboxes(int64_t stages, int64_t microbatches);
+  Mailboxes(int64_t stages, int64_t microbatches, int64_t routes = 0);
   void send(const Address& to, Payload payload) override;
   std::optional<Payload> receive(const Address& at) override;
   void cancel() override;
@@ -99,6 +114,7 @@ class Mailboxes final : public Transport {
 
   int64_t stages_;
   int64_t microbatches_;
+  int64_t routes_;
   std::vector<Slot> slots_;
   std::vector<Box> boxes_;
   std::atomic<bool> cancelled_{false};

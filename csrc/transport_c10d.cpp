@@ -49,7 +49,19 @@ std::pair<int64_t, std::string> unpack(const std::vector<int64_t>& ints) {
   return {ints[0], text};
 }
 
-const char* flow_name(Flow flow) { return flow == Flow::Activation ? "activations" : "grads"; }
+const char* flow_name(Flow flow) {
+  switch (flow) {
+    case Flow::Activation:
+      return "activations";
+    case Flow::Grad:
+      return "grads";
+    case Flow::Skip:
+      return "skip";
+    case Flow::SkipGrad:
+      return "skip grad";
+  }
+  return "?";
+}
 
 // A failure between ranks: the message names the ranks; a C++ backtrace of
 // this rank would only hide that.
@@ -64,16 +76,33 @@ std::string first_line(const std::string& text) { return text.substr(0, text.fin
 
 }  // namespace
 
-Handoffs plan_handoffs(const Plan& plan, int64_t worker) {
+Handoffs plan_handoffs(const Plan& plan, int64_t worker, const std::vector<SkipRoute>& routes) {
   Handoffs h;
   const int64_t last = plan.stages - 1;
   for (const auto& t : plan.lists[static_cast<size_t>(worker)]) {
+    const int64_t s = t.stage;
+    const int64_t i = t.microbatch;
     if (t.op == Op::F) {
-      if (t.stage > 0) h.receives.push_back({t.stage, Flow::Activation, t.microbatch});
-      if (t.stage < last) h.sends.push_back({t.stage + 1, Flow::Activation, t.microbatch});
+      if (s > 0) h.receives.push_back({s, Flow::Activation, i});
+      if (s < last) h.sends.push_back({s + 1, Flow::Activation, i});
     } else if (t.op == Op::B || t.op == Op::I) {
-      if (t.stage < last) h.receives.push_back({t.stage, Flow::Grad, t.microbatch});
-      if (t.stage > 0) h.sends.push_back({t.stage - 1, Flow::Grad, t.microbatch});
+      if (s < last) h.receives.push_back({s, Flow::Grad, i});
+      if (s > 0) h.sends.push_back({s - 1, Flow::Grad, i});
+    } else {
+      continue;
+    }
+    // Skips travel with the forward (stashed at `from`, popped at `to`),
+    // their grads with the backward (I, when split), straight back.
+    for (size_t r = 0; r < routes.size(); ++r) {
+      const auto route = static_cast<int64_t>(r);
+      const auto& [from, to] = routes[r];
+      if (t.op == Op::F) {
+        if (to == s) h.receives.push_back({s, Flow::Skip, i, route});
+        if (from == s) h.sends.push_back({to, Flow::Skip, i, route});
+      } else {
+        if (from == s) h.receives.push_back({s, Flow::SkipGrad, i, route});
+        if (to == s) h.sends.push_back({from, Flow::SkipGrad, i, route});
+      }
     }
   }
   return h;
@@ -104,13 +133,29 @@ ProcessGroupTransport::~ProcessGroupTransport() {
   for (auto& p : sent_works_) bury(std::move(p));
 }
 
-int ProcessGroupTransport::source(const Address& at) const noexcept {
-  return owner(at.flow == Flow::Activation ? at.stage - 1 : at.stage + 1);
+int ProcessGroupTransport::source(const Address& at) const {
+  switch (at.flow) {
+    case Flow::Activation:
+      return owner(at.stage - 1);
+    case Flow::Grad:
+      return owner(at.stage + 1);
+    case Flow::Skip:
+    case Flow::SkipGrad:
+      TORCH_INTERNAL_ASSERT(at.route >= 0 && at.route < static_cast<int64_t>(routes_.size()));
+      const auto& route = routes_[static_cast<size_t>(at.route)];
+      return owner(at.flow == Flow::Skip ? route.from : route.to);
+  }
+  return rank_;
 }
 
 int ProcessGroupTransport::tag(const Address& a, int part) const {
-  const int64_t t =
-      ((a.microbatch * stages_ + a.stage) * 2 + static_cast<int64_t>(a.flow)) * 2 + part;
+  // One row per (stage, activations or grads), then per (route, skip or
+  // its grad), as the mailboxes lay them out; rows per micro-batch.
+  const auto rows = (stages_ + static_cast<int64_t>(routes_.size())) * 2;
+  const int64_t row = a.flow == Flow::Activation || a.flow == Flow::Grad
+                          ? a.stage * 2 + static_cast<int64_t>(a.flow)
+                          : (stages_ + a.route) * 2 + (a.flow == Flow::Skip ? 0 : 1);
+  const int64_t t = (a.microbatch * rows + row) * 2 + part;
   TORCH_CHECK(t <= std::numeric_limits<int>::max(), "gpipe: ", stages_, " stages and ",
               microbatches_, " micro-batches exceed the tags of a process group; use fewer "
               "chunks");
@@ -118,6 +163,10 @@ int ProcessGroupTransport::tag(const Address& a, int part) const {
 }
 
 std::string ProcessGroupTransport::describe_address(const Address& a) const {
+  if (a.flow == Flow::Skip || a.flow == Flow::SkipGrad) {
+    return c10::str("stage ", a.stage, "'s ", flow_name(a.flow), " of route ", a.route,
+                    " for micro-batch ", a.microbatch);
+  }
   return c10::str("stage ", a.stage, "'s ", flow_name(a.flow), " of micro-batch ", a.microbatch);
 }
 
@@ -132,11 +181,13 @@ void ProcessGroupTransport::bury(Pending pending) {
   graveyard->push_back(std::move(pending));
 }
 
-void ProcessGroupTransport::begin(int64_t microbatches, const Handoffs& handoffs) {
+void ProcessGroupTransport::begin(int64_t microbatches, const Handoffs& handoffs,
+                                  std::vector<SkipRoute> routes) {
   microbatches_ = microbatches;
+  routes_ = std::move(routes);
   cancelled_.store(false);
   peer_failure_.reset();
-  local_.emplace(stages_, microbatches);
+  local_.emplace(stages_, microbatches, static_cast<int64_t>(routes_.size()));
   std::lock_guard<std::mutex> hold(mutex_);
   TORCH_INTERNAL_ASSERT(headers_.empty() && sent_works_.empty());
   owed_.clear();
@@ -340,8 +391,8 @@ void ProcessGroupTransport::fail(const std::string& what) {
     owed.swap(owed_);
   }
   // Peers that died refuse the message: nothing to tell them.
-  for (const auto& [stage, flow, microbatch] : owed) {
-    const Address a{stage, static_cast<Flow>(flow), microbatch};
+  for (const auto& [stage, flow, microbatch, route] : owed) {
+    const Address a{stage, static_cast<Flow>(flow), microbatch, route};
     try {
       send_wire(pack(origin, text), kFailure, owner(stage), tag(a, 0));
     } catch (const std::exception&) {

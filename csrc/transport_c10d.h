@@ -44,12 +44,13 @@ namespace gpipe::detail {
 
 /// What this rank receives and sends in one step of `plan` as its worker
 /// `worker` (each address once): forward hand-offs between consecutive
-/// stages, grads back.
+/// stages and along the skip `routes`, grads back.
 struct Handoffs {
   std::vector<Address> receives;
   std::vector<Address> sends;
 };
-Handoffs plan_handoffs(const Plan& plan, int64_t worker);
+Handoffs plan_handoffs(const Plan& plan, int64_t worker,
+                       const std::vector<SkipRoute>& routes = {});
 
 class ProcessGroupTransport final : public Transport {
  public:
@@ -66,12 +67,15 @@ class ProcessGroupTransport final : public Transport {
   int ranks() const noexcept { return size_; }
   int owner(int64_t stage) const noexcept { return static_cast<int>(stage % size_); }
   /// The rank that sends to `at`: the previous stage's for activations,
-  /// the next stage's for grads.
-  int source(const Address& at) const noexcept;
+  /// the next stage's for grads, the other end of its route for a skip or
+  /// its grad.
+  int source(const Address& at) const;
 
-  /// Starts a step of `microbatches` micro-batches in which this rank
-  /// receives and sends `handoffs`: posts every header receive now.
-  void begin(int64_t microbatches, const Handoffs& handoffs);
+  /// Starts a step of `microbatches` micro-batches with skip `routes` in
+  /// which this rank receives and sends `handoffs`: posts every header
+  /// receive now.
+  void begin(int64_t microbatches, const Handoffs& handoffs,
+             std::vector<SkipRoute> routes = {});
   void send(const Address& to, Payload payload) override;
   std::optional<Payload> receive(const Address& at) override;
   void cancel() override;
@@ -89,8 +93,11 @@ class ProcessGroupTransport final : public Transport {
     c10::intrusive_ptr<c10d::Work> work;
     std::vector<at::Tensor> tensors;
   };
-  using Key = std::tuple<int64_t, int, int64_t>;
-  static Key key(const Address& a) { return {a.stage, static_cast<int>(a.flow), a.microbatch}; }
+  using Key = std::tuple<int64_t, int, int64_t, int64_t>;
+  static Key key(const Address& a) {
+    const bool skip = a.flow == Flow::Skip || a.flow == Flow::SkipGrad;
+    return {a.stage, static_cast<int>(a.flow), a.microbatch, skip ? a.route : 0};
+  }
   int tag(const Address& a, int part) const;
   Pending post_receive(std::vector<at::Tensor> tensors, int from, int tag);
   /// Waits for `work`; false when cancelled. Errors name `from` and `what`.
@@ -107,6 +114,7 @@ class ProcessGroupTransport final : public Transport {
   c10::Device device_;
   bool gloo_;
   int64_t microbatches_ = 0;
+  std::vector<SkipRoute> routes_;
   std::optional<Mailboxes> local_;
 
   std::mutex mutex_;

@@ -71,11 +71,35 @@ class PyEngine {
  public:
   PyEngine(const py::list& partitions, const std::vector<c10::Device>& devices, int64_t chunks,
            const std::string& checkpoint, int64_t intra_op_threads, int64_t virtual_stages,
-           const std::string& schedule, const std::string& group) {
+           const std::string& schedule,
+           const std::vector<std::pair<int64_t, int64_t>>& skip_routes,
+           const std::string& group) {
+    // The group crosses from Python by name: the registry torch.distributed
+    // fills is libtorch's own, so this works whatever pybind11 build made
+    // the Python object. Over a group, partition j is stage rank + j * size
+    // of the whole pipeline, and skip routes name whole-pipeline stages.
+    c10::intrusive_ptr<c10d::ProcessGroup> pg;
+    if (!group.empty()) pg = c10d::resolve_process_group(group);
+    const size_t all = pg ? static_cast<size_t>(virtual_stages * pg->getSize()) : partitions.size();
+    auto global = [&](size_t j) {
+      return pg ? static_cast<size_t>(pg->getRank()) + j * static_cast<size_t>(pg->getSize()) : j;
+    };
+    std::vector<detail::SkipRoute> routes;
+    std::vector<size_t> arriving(all, 0), leaving(all, 0);
+    for (const auto& [from, to] : skip_routes) {
+      TORCH_CHECK(0 <= from && from < to && static_cast<size_t>(to) < all,
+                  "skip route from stage ", from, " to stage ", to, " for ", all, " stages");
+      routes.push_back(detail::SkipRoute{from, to});
+      ++leaving[static_cast<size_t>(from)];
+      ++arriving[static_cast<size_t>(to)];
+    }
     std::vector<std::unique_ptr<detail::Layers>> stages;
     for (size_t j = 0; j < partitions.size(); ++j) {
-      stages.push_back(std::make_unique<PyLayers>(
-          py::reinterpret_borrow<py::list>(partitions[j]), static_cast<int64_t>(j)));
+      const size_t g = global(j);
+      TORCH_CHECK(g < all, "partition ", j, " of this rank is stage ", g, " of ", all);
+      stages.push_back(std::make_unique<PyLayers>(py::reinterpret_borrow<py::object>(partitions[j]),
+                                                  static_cast<int64_t>(g), arriving[g],
+                                                  leaving[g]));
     }
     TORCH_CHECK(!stages.empty(), "a Pipe needs at least one stage");
     TORCH_CHECK(devices.size() >= stages.size(), "got ", devices.size(), " devices for ",
@@ -83,14 +107,10 @@ class PyEngine {
     TORCH_CHECK(chunks >= 1, "chunks must be at least 1, got ", chunks);
     TORCH_CHECK(virtual_stages >= 1 && stages.size() % static_cast<size_t>(virtual_stages) == 0,
                 "got ", stages.size(), " stages for virtual_stages ", virtual_stages);
-    // The group crosses from Python by name: the registry torch.distributed
-    // fills is libtorch's own, so this works whatever pybind11 build made
-    // the Python object.
-    c10::intrusive_ptr<c10d::ProcessGroup> pg;
-    if (!group.empty()) pg = c10d::resolve_process_group(group);
     engine_ = std::make_shared<detail::Engine>(std::move(stages), devices, chunks,
                                                parse_checkpoint(checkpoint), intra_op_threads,
                                                virtual_stages, parse_schedule(schedule), pg);
+    engine_->set_skip_routes(std::move(routes));
     engine_->set_error_hook(reraise_python);
   }
 
@@ -202,18 +222,23 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<PyEngine>(m, "Engine", "Runs stages of Python modules as a GPipe pipeline.")
       .def(py::init<const py::list&, const std::vector<c10::Device>&, int64_t,
-                    const std::string&, int64_t, int64_t, const std::string&, const std::string&>(),
+                    const std::string&, int64_t, int64_t, const std::string&,
+                    const std::vector<std::pair<int64_t, int64_t>>&, const std::string&>(),
            py::arg("partitions"), py::arg("devices"), py::arg("chunks"), py::arg("checkpoint"),
            py::arg("intra_op_threads") = 0, py::arg("virtual_stages") = 1,
-           py::arg("schedule") = "1f1b", py::arg("group") = "",
-           R"doc(partitions: one list of modules per stage; devices: one per stage;
+           py::arg("schedule") = "1f1b",
+           py::arg("skip_routes") = std::vector<std::pair<int64_t, int64_t>>(),
+           py::arg("group") = "",
+           R"doc(partitions: one list of modules per stage, or a gpipe.skip StageRunner for a
+stage with skips; devices: one per stage;
 chunks: micro-batches per mini-batch; checkpoint: 'always', 'except_last' or 'never';
 intra_op_threads: 0 splits this thread's torch.get_num_threads() between the CPU workers,
 N > 0 gives each CPU worker N, -1 leaves torch's setting; virtual_stages: stages per worker
 (stage s runs on worker s % workers); schedule: train_step's order, 'gpipe', '1f1b',
-'interleaved_1f1b' or 'zb_h1'; group: a torch.distributed group's name (group_name) for a
-pipeline over its ranks: partitions are then this rank's stages (stage s on rank s % size,
-virtual_stages per rank); empty: every stage in this process.)doc")
+'interleaved_1f1b' or 'zb_h1'; skip_routes: (stashing stage, popping stage) per skip across stages, in the order the runners take and give them;
+group: a torch.distributed group's name (group_name) for a pipeline over its ranks: partitions
+are then this rank's stages (stage s on rank s % size, virtual_stages per rank); empty: every
+stage in this process.)doc")
       .def("train_step", &PyEngine::train_step, py::arg("input"), py::arg("target"),
            py::arg("loss_fn"), py::arg("training"),
            R"doc(One training step inside the pipeline: forward, loss_fn(output, target) per

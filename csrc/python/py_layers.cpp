@@ -48,7 +48,12 @@ py::object to_python(const detail::Batch& batch) {
   return std::move(out);
 }
 
-PyLayers::PyLayers(py::list layers, int64_t stage) : layers_(std::move(layers)), stage_(stage) {}
+PyLayers::PyLayers(py::object layers, int64_t stage, size_t arriving, size_t leaving)
+    : layers_(std::move(layers)),
+      stage_(stage),
+      runner_(!py::isinstance<py::list>(layers_)),
+      arriving_(arriving),
+      leaving_(leaving) {}
 
 PyLayers::~PyLayers() {
   // The last owner may be an autograd thread without the GIL.
@@ -64,10 +69,37 @@ PyLayers::~PyLayers() {
 
 detail::Batch PyLayers::forward(const detail::Batch& input) {
   py::gil_scoped_acquire gil;
+  if (runner_) return run_with_skips(input);
   py::object x = to_python(input);
   for (auto layer : layers_) x = layer(x);
   const std::string what = "the output of stage " + std::to_string(stage_);
   return to_batch(x, what.c_str());
+}
+
+detail::Batch PyLayers::run_with_skips(const detail::Batch& input) {
+  // The input's main values, then the arriving skips; the output likewise.
+  TORCH_INTERNAL_ASSERT(input.size() >= arriving_);
+  const size_t main = input.size() - arriving_;
+  detail::Batch main_input(
+      std::vector<at::Tensor>(input.values.begin(),
+                              input.values.begin() + static_cast<std::ptrdiff_t>(main)),
+      input.atomic);
+  py::tuple skips(arriving_);
+  for (size_t k = 0; k < arriving_; ++k) {
+    skips[k] = py::reinterpret_steal<py::object>(THPVariable_Wrap(input[main + k]));
+  }
+  py::object result = layers_(to_python(main_input), skips);
+  const std::string what = "the output of stage " + std::to_string(stage_);
+  TORCH_INTERNAL_ASSERT(py::isinstance<py::tuple>(result) && py::len(result) == 2);
+  auto pair = py::reinterpret_borrow<py::tuple>(result);
+  detail::Batch out = to_batch(pair[0], what.c_str());
+  auto leaving = py::reinterpret_borrow<py::tuple>(pair[1]);
+  TORCH_INTERNAL_ASSERT(leaving.size() == leaving_);
+  for (size_t k = 0; k < leaving_; ++k) {
+    // A skip stashed as None travels as an undefined tensor.
+    out.values.push_back(leaving[k].is_none() ? at::Tensor() : THPVariable_Unpack(leaving[k].ptr()));
+  }
+  return out;
 }
 
 }  // namespace gpipe::python

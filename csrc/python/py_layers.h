@@ -7,19 +7,29 @@
 
 namespace gpipe::python {
 
-/// Runs a list of Python modules in order. Holds the GIL only while calling
-/// into Python; the torch ops those modules run release it, so stages on
-/// different workers overlap.
+/// Runs a list of Python modules in order, or, for a stage with skip
+/// connections, a `gpipe.skip.tracker.StageRunner`: called as
+/// `runner(input, skips)` with one tensor (or None) per skip arriving at the
+/// stage, it returns `(output, skips)` with one per skip leaving it (see
+/// SkipRoute). Holds the GIL only while calling into Python; the torch ops
+/// those modules run release it, so stages on different workers overlap.
 class PyLayers : public detail::Layers {
  public:
-  PyLayers(pybind11::list layers, int64_t stage);
+  /// `layers`: a list of modules, or a runner taking `arriving` skips and
+  /// giving `leaving` ones.
+  PyLayers(pybind11::object layers, int64_t stage, size_t arriving = 0, size_t leaving = 0);
   ~PyLayers() override;
 
   detail::Batch forward(const detail::Batch& input) override;
 
  private:
-  pybind11::list layers_;
+  detail::Batch run_with_skips(const detail::Batch& input);
+
+  pybind11::object layers_;
   int64_t stage_;
+  bool runner_;
+  size_t arriving_;
+  size_t leaving_;
 };
 
 /// A tensor, or a tuple of tensors, as a Batch; raises TypeError otherwise.

@@ -6,4 +6,5 @@
 #include <gpipe/options.h>
 #include <gpipe/phase.h>
 #include <gpipe/pipe.h>
+#include <gpipe/skip.h>
 #include <gpipe/trace.h>

@@ -15,6 +15,10 @@ storage), buffers, grads, devices and training mode as it found them.
 Layers may take and return a tensor or a tuple of tensors (the next layer gets
 the tuple as its one argument), and the sample may be either, as in torchgpipe.
 
+Skip connections (``gpipe.skip``) profile too: a skip reaches its popping
+layer as a fresh graph input, as each layer's input does, so every layer's
+backward stays within that layer (torchgpipe's balance_by_time failed there).
+
 Example::
 
     from gpipe.balance import balance_by_time
@@ -30,6 +34,8 @@ import torch
 from torch import Tensor, nn
 
 from gpipe import _C
+from gpipe.skip.namespace import Namespace
+from gpipe.skip.tracker import SkipTracker, use_skip_tracker
 
 __all__ = ["balance_cost", "balance_by_params", "balance_by_time", "balance_by_size"]
 
@@ -131,6 +137,26 @@ def _to(x: TensorOrTensors, device: torch.device) -> TensorOrTensors:
     return tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
 
 
+class _ProfilingTracker(SkipTracker):
+    """Skips while profiling: a stash keeps a detached copy-free view, a pop
+    gets a fresh graph input of it on the device, like each layer's input,
+    so every layer's backward stays within that layer (the stashing layer's
+    graph is neither kept alive nor reached from the popping layer's)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def save(self, batch: object, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
+        super().save(batch, ns, name, None if tensor is None else tensor.detach())
+
+    def load(self, batch: object, ns: Namespace, name: str) -> Optional[Tensor]:
+        tensor = super().load(batch, ns, name)
+        if tensor is None:
+            return None
+        return _graph_input(tensor.to(self.device))  # type: ignore[return-value]
+
+
 def _check_output(y: object, i: int) -> TensorOrTensors:
     if not all(isinstance(t, Tensor) for t in _tensors(y)):
         raise TypeError(f"layer {i} returned {type(y).__name__}; balancing by profile needs "
@@ -176,8 +202,10 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
         start = time.perf_counter()
         for round_ in itertools.count():
             x = _to(sample, device)
+            # A fresh tracker per round: a skip never outlives its round.
+            skips = _ProfilingTracker(device)
             for i, layer in enumerate(module):
-                with _on(layer, device):
+                with _on(layer, device), use_skip_tracker(skips):
                     x_in = _graph_input(x)
                     _sync(device)
                     t0 = time.perf_counter()
@@ -216,8 +244,9 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
         module.train()
         first = tuple(t.chunk(chunks)[0] for t in _tensors(input))
         x = _to(first if isinstance(input, tuple) else first[0], device)
+        skips = _ProfilingTracker(device)
         for i, layer in enumerate(module):
-            with _on(layer, device):
+            with _on(layer, device), use_skip_tracker(skips):
                 params = sum(p.numel() * p.element_size() for p in layer.parameters())
                 x_in = _graph_input(x)
                 with _C.MemoryCounter() as counter:

@@ -8,6 +8,9 @@ from torch import Tensor, nn
 from gpipe import _C
 from gpipe.pipe import (_as_int, _check_balance, _check_input, _parse_balance, _parse_checkpoint,
                         _parse_chunks, _parse_schedule)
+from gpipe.skip.layout import has_skippables, skip_routes
+from gpipe.skip.skippable import verify_skippables
+from gpipe.skip.tracker import StageRunner
 
 __all__ = ["Pipe"]
 
@@ -99,6 +102,7 @@ class Pipe(nn.Module):
                 f"virtual_stages {self.virtual_stages} = {stages} stages; pass {stages} entries "
                 f"(layers per stage; stage s runs on rank s % {ranks})")
         _check_balance(module, balance)
+        verify_skippables(module)
         self.balance = balance
         self.device = torch.device(device) if device is not None else _default_device(self.group)
         self.stages: List[int] = [s for s in range(stages) if s % ranks == self.rank]
@@ -109,7 +113,7 @@ class Pipe(nn.Module):
         starts = [sum(balance[:s]) for s in range(stages)]
         names = list(module._modules.keys())
         layers = list(module)
-        parts: List[List[nn.Module]] = []
+        parts: List[Any] = []
         for s in self.stages:
             part = []
             for k in range(starts[s], starts[s] + balance[s]):
@@ -117,9 +121,23 @@ class Pipe(nn.Module):
                 self.add_module(names[k], layer)
                 part.append(layer)
             parts.append(part)
+        routes = []
+        if has_skippables(module):
+            # Skips across stages travel between ranks like activations: every
+            # rank sees the whole model's routes; its runners take and give
+            # those of its stages.
+            routes = skip_routes([layers[starts[s]:starts[s] + balance[s]]
+                                  for s in range(stages)])
+            for j, s in enumerate(self.stages):
+                parts[j] = StageRunner(parts[j],
+                                       incoming=[r.key for r in routes if r.pop_stage == s],
+                                       outgoing=[r.key for r in routes if r.stash_stage == s],
+                                       stage=s, first_layer_index=starts[s])
         self._engine = _C.Engine(parts, [self.device] * len(parts), self.chunks, self.checkpoint,
                                  intra_op_threads=-1, virtual_stages=self.virtual_stages,
-                                 schedule=self.schedule, group=self.group.group_name)
+                                 schedule=self.schedule,
+                                 skip_routes=[(r.stash_stage, r.pop_stage) for r in routes],
+                                 group=self.group.group_name)
 
     def _check_step(self, input: Optional[TensorOrTensors], what: str) -> None:
         if self.is_first:

@@ -11,6 +11,9 @@ from torch import Tensor, nn
 from gpipe import _C
 from gpipe.balance import balance_by_params
 from gpipe.batchnorm import DeferredBatchNorm, _deferred_copy
+from gpipe.skip.layout import has_skippables, skip_routes
+from gpipe.skip.skippable import verify_skippables
+from gpipe.skip.tracker import StageRunner
 
 __all__ = ["Pipe", "GPipe", "is_checkpointing", "is_recomputing"]
 
@@ -499,6 +502,7 @@ class Pipe(nn.Module):
         balance = _parse_balance(balance)
         _check_balance(module, balance)
         _check_distinct(module)
+        verify_skippables(module)
         if len(balance) % virtual_stages != 0:
             raise ValueError(f"balance {balance} has {len(balance)} stages, not a multiple of "
                              f"virtual_stages {virtual_stages}; give virtual_stages entries per "
@@ -593,13 +597,28 @@ class Pipe(nn.Module):
     def _build_engine(self, trace: bool = False) -> None:
         """Starts the C++ engine over the stages: the one place it is built, from
         the Pipe's attributes (construction, copies, unpickling and compile())."""
-        parts = self._partitions() if self._stages is None else [[s] for s in self._stages]
+        layers = self._partitions()
+        parts: List[Any] = layers if self._stages is None else [[s] for s in self._stages]
         # Pipes pickled before train_step existed have neither attribute.
         self.__dict__.setdefault("schedule", "1f1b")
         self.__dict__.setdefault("virtual_stages", 1)
+        routes = []
+        if has_skippables(layers):
+            # Each stage runs through a runner that takes the skips arriving
+            # there and gives those leaving, in route order (the engine sends
+            # them straight from stage to stage).
+            routes = skip_routes(layers)
+            first = 0
+            for j, n in enumerate(self.balance):
+                parts[j] = StageRunner(parts[j],
+                                       incoming=[r.key for r in routes if r.pop_stage == j],
+                                       outgoing=[r.key for r in routes if r.stash_stage == j],
+                                       stage=j, first_layer_index=first)
+                first += n
         self._engine = (_C.Engine(parts, self._per_stage_devices(), self.chunks,
                                   self.checkpoint, intra_op_threads=self.intra_op_threads,
-                                  virtual_stages=self.virtual_stages, schedule=self.schedule)
+                                  virtual_stages=self.virtual_stages, schedule=self.schedule,
+                                  skip_routes=[(r.stash_stage, r.pop_stage) for r in routes])
                         if parts else _NoStages())
         self._engine.set_batch_dims(*self._batch_dims)
         self._engine.tracing = bool(trace)

@@ -301,3 +301,33 @@ def test_parameter_no_output_depends_on_runs_no_backward(checkpoint: str) -> Non
         net(x).sum().backward(inputs=[net[0].weight])
         assert net[0].weight.grad is None
         assert Spy.calls == 0, type(net).__name__
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        return self.a(x), self.b(x)
+
+
+class SecondOnly(nn.Module):
+    def forward(self, xs):  # type: ignore[no-untyped-def]
+        return xs[1] * 2
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_value_the_next_stage_drops_gets_no_grad(checkpoint: str) -> None:
+    """Stage 1 uses only the second of two values: the head making the first gets no grad
+    (None, as in the plain model), not zeros made up at the stage boundary."""
+    model = nn.Sequential(TwoHeads(), SecondOnly()).double()
+    ref = copy.deepcopy(model)
+    pipe = gpipe.Pipe(model, balance=[1, 1], devices=["cpu"] * 2, chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    for net in (ref, pipe):
+        net(x).sum().backward()
+        assert net[0].a.weight.grad is None, type(net).__name__
+        assert net[0].b.weight.grad is not None
+    assert_same_grads(pipe, ref)

@@ -67,6 +67,31 @@ def _spawn(scenario: str, world: int = WORLD) -> dict:
 
 # ---- the workers ---------------------------------------------------------------------------
 
+from gpipe.skip import Namespace, pop, skippable, stash  # noqa: E402
+
+
+@skippable(stash=["skip"])
+class _Save(nn.Module):
+    def forward(self, x):
+        yield stash("skip", x)
+        return x
+
+
+@skippable(pop=["skip"])
+class _Add(nn.Module):
+    def forward(self, x):
+        return x + (yield pop("skip"))
+
+
+def _with_skips() -> nn.Sequential:
+    """8 layers, two skips: 0 -> 7 and 3 -> 5 (across ranks under [2, 2, 2, 2] and [1] * 8)."""
+    torch.manual_seed(0)
+    a, b = Namespace(), Namespace()
+    return nn.Sequential(_Save().isolate(a), nn.Linear(6, 6), nn.Tanh(), _Save().isolate(b),
+                         nn.Linear(6, 6), _Add().isolate(b), nn.Tanh(),
+                         _Add().isolate(a)).double()
+
+
 
 def _report(**fields) -> None:
     print("RESULT " + json.dumps(fields), flush=True)
@@ -135,6 +160,13 @@ def _worker_train() -> None:
         pipe = gpipe.distributed.Pipe(model, [2] * (WORLD * v),
                                       chunks=4, schedule=schedule, virtual_stages=v)
         _check_step(schedule, model, pipe, x, y, single)
+
+    # Skips between ranks: straight from the stashing stage's rank to the popping one's.
+    for schedule, v in (("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)):
+        model = _with_skips()
+        pipe = gpipe.distributed.Pipe(model, [2] * WORLD if v == 1 else [1] * (WORLD * v),
+                                      chunks=4, schedule=schedule, virtual_stages=v)
+        _check_step(f"skips-{schedule}", model, pipe, x, y)
 
     # Shapes change between steps: a sequence length of 3, then 5.
     model = _mlp(8)
@@ -303,6 +335,16 @@ def test_grads_equal_sequential(train, schedule):
     assert names == sorted(n for n, _ in _mlp(8 * v).named_parameters())
     if v == 2:
         assert [results[r]["stages"] for r in range(WORLD)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "interleaved_1f1b"])
+def test_skips_between_ranks(train, schedule):
+    results = _results(train, f"skips-{schedule}")
+    for rank, r in results.items():
+        assert r["grad_error"] <= 1e-10, (rank, r)
+        assert r["loss_error"] <= 1e-10, (rank, r)
+    names = sorted(n for r in results.values() for n in r["params"])
+    assert names == sorted(n for n, _ in _with_skips().named_parameters())
 
 
 def test_shapes_change_between_steps(train):

@@ -114,3 +114,43 @@ def test_schedules_example_matches_the_plain_model():
     for schedule in module.SCHEDULES:
         result = module.one_step(schedule, 0.0005, None)
         assert result["error"] <= 1e-10, (schedule, result)
+
+
+UNET_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_unet.py"
+
+
+def load_unet_example():
+    spec = importlib.util.spec_from_file_location("train_unet", UNET_EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_unet_example_checks_itself_and_draws_its_timeline(tmp_path):
+    """examples/train_unet.py as the script runs it: skips across stages, the float64 step
+    equal to the plain model's, the loss falling, the timeline drawn."""
+    example = load_unet_example()
+    lines: List[str] = []
+    timeline = tmp_path / "timeline_unet.png"
+    assert example.main(["--timeline", str(timeline)], log=lines.append) == 0, "\n".join(lines)
+    assert lines[-1] == "OK"
+    assert any(line.startswith("check 1:") for line in lines)
+    assert any(line.startswith("check 2:") for line in lines)
+    assert timeline.read_bytes()[:4] == b"\x89PNG"
+    # The skips do cross stages under the example's balance.
+    pipe = example.make_pipe(example.make_model())
+    routes = example.gpipe.skip.layout.skip_routes(pipe._partitions())
+    assert sorted((r.stash_stage, r.pop_stage) for r in routes) == [(0, 3), (1, 2)]
+
+
+def test_unet_example_fails_loudly():
+    example = load_unet_example()
+    good = example.Run(losses=[0.2] * 5 + [0.02] * 5, seconds=1.0, black=0.15)
+    lines: List[str] = []
+    assert example.verdict(0.0, good, log=lines.append) == 0 and lines[-1] == "OK"
+    for error, run in ((1e-6, good),
+                       (0.0, good._replace(losses=[0.2] * 5 + [0.15] * 5)),
+                       (0.0, good._replace(black=0.03))):
+        lines = []
+        assert example.verdict(error, run, log=lines.append) == 1
+        assert lines[-1].startswith("FAILED")

@@ -1,0 +1,155 @@
+// skip.h — skip connections: a layer stashes a tensor under a name, a later layer pops it.
+//
+// Real models are not chains: a U-Net's encoder hands each resolution to the
+// decoder, a residual block adds its input back. A layer that takes part
+// derives from `gpipe::Skippable` next to `torch::nn::Module`, declares the
+// names it stashes and pops, and calls `stash` / `pop` in its forward:
+//
+//   struct DownImpl : torch::nn::Module, gpipe::Skippable {
+//     DownImpl() : gpipe::Skippable({.stash = {"down"}}) {
+//       conv = register_module("conv", torch::nn::Conv2d(8, 8, 3));
+//     }
+//     torch::Tensor forward(torch::Tensor x) {
+//       stash("down", x);          // taken by the layer that pops "down"
+//       return conv(x);
+//     }
+//     torch::nn::Conv2d conv{nullptr};
+//   };
+//   TORCH_MODULE(Down);
+//
+//   struct UpImpl : torch::nn::Module, gpipe::Skippable {
+//     UpImpl() : gpipe::Skippable({.pop = {"down"}}) {}
+//     torch::Tensor forward(torch::Tensor x) { return x + pop("down"); }
+//   };
+//   TORCH_MODULE(Up);
+//
+// The same layers run in a plain torch::nn::Sequential (the stashed tensor
+// waits in the thread's SkipTracker until popped) and in a gpipe::Pipe,
+// which sends it straight from the stashing stage to the popping one (not
+// through the stages between) and its grad straight back. Every name is
+// stashed by one layer and popped by one later layer; to use a name twice,
+// isolate each pair in its own Namespace (`isolate`). The Pipe checks this
+// when it is built (`verify_skippables`).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace gpipe {
+
+/// Keeps skip names apart: two layers stashing "skip" in different
+/// namespaces stash two different skips. Copies compare equal.
+class Namespace {
+ public:
+  Namespace();
+  bool operator==(const Namespace& other) const noexcept { return id_ == other.id_; }
+  bool operator<(const Namespace& other) const noexcept { return id_ < other.id_; }
+  uint64_t id() const noexcept { return id_; }
+
+ private:
+  friend class Skippable;
+  explicit Namespace(uint64_t id) : id_(id) {}
+  uint64_t id_;
+};
+
+/// A skip's full name: its namespace (0: the default one) and its name.
+struct SkipKey {
+  uint64_t ns = 0;
+  std::string name;
+  auto operator<=>(const SkipKey& other) const = default;
+};
+
+/// The names a Skippable layer stashes and pops.
+struct SkipNames {
+  std::vector<std::string> stash;
+  std::vector<std::string> pop;
+};
+
+/// Where stashed tensors wait for their pops, on one thread: the one a
+/// `UseSkipTracker` installed, else the thread's own (which serves a plain
+/// Sequential run).
+class SkipTracker {
+ public:
+  void save(const SkipKey& key, at::Tensor tensor);
+  /// Takes the tensor stashed under `key` out; throws when there is none.
+  at::Tensor load(const SkipKey& key);
+  bool contains(const SkipKey& key) const { return tensors_.count(key) > 0; }
+  size_t size() const noexcept { return tensors_.size(); }
+  void clear() noexcept { tensors_.clear(); }
+  /// Replaces every waiting tensor `t` with `f(t)` (profiling cuts them off
+  /// the graph of the layer that stashed them).
+  template <typename F>
+  void transform(F&& f) {
+    for (auto& [key, tensor] : tensors_) tensor = f(tensor);
+  }
+
+ private:
+  std::map<SkipKey, at::Tensor> tensors_;
+};
+
+/// The calling thread's tracker.
+SkipTracker& current_skip_tracker();
+
+/// Makes `tracker` the calling thread's tracker until destroyed.
+class UseSkipTracker {
+ public:
+  explicit UseSkipTracker(SkipTracker& tracker);
+  ~UseSkipTracker();
+  UseSkipTracker(const UseSkipTracker&) = delete;
+  UseSkipTracker& operator=(const UseSkipTracker&) = delete;
+
+ private:
+  SkipTracker* previous_;
+};
+
+/// The base of a layer with skip connections (derive from it next to
+/// torch::nn::Module; see the top of this file).
+class Skippable {
+ public:
+  explicit Skippable(SkipNames names);
+  virtual ~Skippable() = default;
+
+  const std::vector<std::string>& stash_names() const noexcept { return names_.stash; }
+  const std::vector<std::string>& pop_names() const noexcept { return names_.pop; }
+
+  /// Puts this layer's skips named in `only` (all of them when empty) into
+  /// `ns`; returns this layer.
+  Skippable& isolate(const Namespace& ns, const std::vector<std::string>& only = {});
+  /// `name` in the namespace this layer put it in.
+  SkipKey key(const std::string& name) const;
+
+ protected:
+  /// Hands `tensor` (may be undefined) to the later layer that pops `name`.
+  void stash(const std::string& name, at::Tensor tensor);
+  /// The tensor an earlier layer stashed under `name`.
+  at::Tensor pop(const std::string& name);
+
+ private:
+  /// "layer DownImpl" (the module's name) for messages.
+  std::string who() const;
+
+  SkipNames names_;
+  std::map<std::string, uint64_t> namespaces_;
+};
+
+/// Where one skip crosses a cut of a Sequential into stages.
+struct SkipRouteInfo {
+  SkipKey key;
+  /// The layers (in the whole Sequential) that stash and pop it.
+  int64_t stash_layer;
+  int64_t pop_layer;
+};
+
+/// Checks that every skip of `sequential` is stashed by one layer and popped
+/// by one later layer; throws c10::ValueError listing every mismatch
+/// (naming the layer and the skip) otherwise. Returns each pair found, in
+/// the order of their stashing layers.
+std::vector<SkipRouteInfo> verify_skippables(const torch::nn::Sequential& sequential);
+
+}  // namespace gpipe

@@ -1,0 +1,68 @@
+"""Which skips cross stage boundaries, given how a model is cut into stages."""
+from typing import Dict, Iterable, List, NamedTuple, Tuple, Union
+
+from torch import nn
+
+from gpipe.skip.namespace import Namespace
+from gpipe.skip.skippable import Skippable
+
+__all__ = ["Route", "skip_routes", "has_skippables"]
+
+
+class Route(NamedTuple):
+    """A skip stashed in one stage and popped in a later one."""
+
+    #: (namespace, name) of the skip.
+    key: Tuple[Namespace, str]
+    #: The stage whose layer stashes it.
+    stash_stage: int
+    #: The stage whose layer pops it (greater than stash_stage).
+    pop_stage: int
+
+
+def skip_routes(partitions: Iterable[Iterable[nn.Module]]) -> List[Route]:
+    """The skips that leave their stage: stashed by a layer of one stage and
+    popped by a layer of a later one, sorted by (pop stage, stash stage,
+    index of the stashing layer in the whole model, name).
+
+    Only the stages' own layers count (a skippable nested inside another
+    layer is not seen, as in torchgpipe). Skips stashed and popped in the
+    same stage, and skips with no matching stash or pop (which
+    ``verify_skippables`` reports), give no route.
+
+    Args:
+        partitions: the stages, each the list of its layers, in model order.
+    """
+    stashed_by: Dict[Tuple[Namespace, str], Tuple[int, int]] = {}  # key -> (stage, layer index)
+    found: List[Tuple[int, int, int, str, Route]] = []
+    index = 0
+    for stage, layers in enumerate(partitions):
+        for layer in layers:
+            if isinstance(layer, Skippable):
+                for key in layer.stashable():
+                    stashed_by[key] = (stage, index)
+                for key in layer.poppable():
+                    if key not in stashed_by:
+                        continue
+                    stash_stage, stash_index = stashed_by.pop(key)
+                    if stash_stage < stage:
+                        found.append((stage, stash_stage, stash_index, key[1],
+                                      Route(key, stash_stage, stage)))
+            index += 1
+    found.sort(key=lambda f: f[:4])
+    return [f[4] for f in found]
+
+
+def has_skippables(module_or_partitions: Union[nn.Module, Iterable[Iterable[nn.Module]]]) -> bool:
+    """Whether a model (itself or one of its direct children) or a list of
+    stages (any of their layers) has a ``@skippable`` layer.
+
+    Args:
+        module_or_partitions: an ``nn.Module`` (usually the Sequential), or
+            the stages, each an iterable of layers.
+    """
+    if isinstance(module_or_partitions, nn.Module):
+        return isinstance(module_or_partitions, Skippable) or any(
+            isinstance(layer, Skippable) for layer in module_or_partitions.children())
+    return any(isinstance(layer, Skippable)
+               for layers in module_or_partitions for layer in layers)
