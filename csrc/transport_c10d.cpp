@@ -22,6 +22,14 @@ constexpr int64_t kWireInts = 64;
 constexpr int64_t kWireBody = kWireInts - 2;
 constexpr int64_t kBatch = 0;
 constexpr int64_t kFailure = 1;
+// Tag parts: the header, the tensors as the receiver expects them, the
+// tensors after a change of shapes.
+constexpr int kHeaderPart = 0;
+constexpr int kExpectedPart = 1;
+constexpr int kChangedPart = 2;
+// How many receives ahead the tensors' receives are posted: the memory of
+// that many hand-offs, received before their turn.
+constexpr size_t kEarlyWindow = 8;
 // A failure header's text is cut to what fits in one message.
 constexpr size_t kFailureChars = static_cast<size_t>(kWireBody - 1) * sizeof(int64_t);
 
@@ -131,6 +139,12 @@ ProcessGroupTransport::~ProcessGroupTransport() {
     bury(std::move(p));
   }
   for (auto& p : sent_works_) bury(std::move(p));
+  for (auto& [k, ps] : early_) {
+    for (auto& p : ps) {
+      p.work->abort();
+      bury(std::move(p));
+    }
+  }
 }
 
 int ProcessGroupTransport::source(const Address& at) const {
@@ -155,7 +169,7 @@ int ProcessGroupTransport::tag(const Address& a, int part) const {
   const int64_t row = a.flow == Flow::Activation || a.flow == Flow::Grad
                           ? a.stage * 2 + static_cast<int64_t>(a.flow)
                           : (stages_ + a.route) * 2 + (a.flow == Flow::Skip ? 0 : 1);
-  const int64_t t = (a.microbatch * rows + row) * 2 + part;
+  const int64_t t = (a.microbatch * rows + row) * 3 + part;
   TORCH_CHECK(t <= std::numeric_limits<int>::max(), "gpipe: ", stages_, " stages and ",
               microbatches_, " micro-batches exceed the tags of a process group; use fewer "
               "chunks");
@@ -194,11 +208,47 @@ void ProcessGroupTransport::begin(int64_t microbatches, const Handoffs& handoffs
   for (const auto& a : handoffs.sends) {
     if (owner(a.stage) != rank_) owed_.insert(key(a));
   }
+  upcoming_.clear();
+  taken_ = 0;
   for (const auto& a : handoffs.receives) {
     const int from = source(a);
     if (from == rank_) continue;
-    headers_.emplace(key(a), post_receive({at::empty({kWireInts}, at::kLong)}, from, tag(a, 0)));
+    headers_.emplace(key(a),
+                     post_receive({at::empty({kWireInts}, at::kLong)}, from, tag(a, kHeaderPart)));
+    upcoming_.push_back(a);
   }
+  for (size_t k = 0; k < std::min(kEarlyWindow, upcoming_.size()); ++k) post_early(upcoming_[k]);
+}
+
+void ProcessGroupTransport::post_early(const Address& a) {
+  const Key k = key(a);
+  auto last = received_meta_.find(k);
+  if (last == received_meta_.end() || early_.count(k)) return;
+  std::vector<Pending> posted;
+  for (const auto& v : last->second.values) {
+    if (!v.defined) continue;
+    posted.push_back(post_receive(
+        {at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(device_))}, source(a),
+        tag(a, kExpectedPart)));
+  }
+  early_.emplace(k, std::move(posted));
+}
+
+std::optional<std::vector<at::Tensor>> ProcessGroupTransport::receive_values(
+    const BatchMeta& meta, int from, int tag, const std::string& what) {
+  std::vector<Pending> posted;
+  for (const auto& v : meta.values) {
+    if (!v.defined) continue;
+    posted.push_back(post_receive(
+        {at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(device_))}, from, tag));
+  }
+  std::vector<at::Tensor> out;
+  for (auto& p : posted) {
+    at::Tensor t = p.tensors[0];
+    if (!wait(p, from, what)) return std::nullopt;
+    out.push_back(std::move(t));
+  }
+  return out;
 }
 
 ProcessGroupTransport::Pending ProcessGroupTransport::post_receive(std::vector<at::Tensor> tensors,
@@ -282,9 +332,24 @@ void ProcessGroupTransport::send(const Address& to, Payload payload) {
     return;
   }
   Batch batch = settle(std::move(payload));
-  send_wire(encode(describe(batch)), kBatch, dst, tag(to, 0));
-  const int data_tag = tag(to, 1);
+  BatchMeta meta = describe(batch);
+  send_wire(encode(meta), kBatch, dst, tag(to, kHeaderPart));
+  // The receiver expects last step's shapes on kExpectedPart: filler of
+  // those when they changed, the tensors on kChangedPart.
   std::vector<Pending> out;
+  int data_tag = tag(to, kExpectedPart);
+  auto last = sent_meta_.find(key(to));
+  if (last != sent_meta_.end() && !(last->second == meta)) {
+    for (const auto& v : last->second.values) {
+      if (!v.defined) continue;
+      Pending p;
+      p.tensors = {at::empty(v.shape, at::TensorOptions().dtype(v.dtype))};
+      p.work = group_->send(p.tensors, dst, data_tag);
+      out.push_back(std::move(p));
+    }
+    data_tag = tag(to, kChangedPart);
+  }
+  sent_meta_[key(to)] = std::move(meta);
   for (const auto& value : batch.values) {
     if (!value.defined()) continue;
     at::Tensor t = value.detach();
@@ -305,6 +370,7 @@ std::optional<Payload> ProcessGroupTransport::receive(const Address& at) {
   if (from == rank_) return local_->receive(at);
   const std::string what = describe_address(at);
   Pending head;
+  std::optional<std::vector<Pending>> early;
   {
     std::lock_guard<std::mutex> hold(mutex_);
     auto it = headers_.find(key(at));
@@ -312,6 +378,17 @@ std::optional<Payload> ProcessGroupTransport::receive(const Address& at) {
                           " was not announced by begin, or taken twice");
     head = std::move(it->second);
     headers_.erase(it);
+    // The sender sends last step's shapes (or filler) on kExpectedPart:
+    // this address's receives must be posted; the window moves on.
+    post_early(at);
+    auto e = early_.find(key(at));
+    if (e != early_.end()) {
+      early = std::move(e->second);
+      early_.erase(e);
+    }
+    ++taken_;
+    const size_t end = std::min(taken_ + kEarlyWindow, upcoming_.size());
+    for (size_t k = taken_; k < end; ++k) post_early(upcoming_[k]);
   }
   if (!wait(head, from, what)) return std::nullopt;
   const auto* w = head.tensors[0].const_data_ptr<int64_t>();
@@ -336,24 +413,37 @@ std::optional<Payload> ProcessGroupTransport::receive(const Address& at) {
                 " stopped waiting for ", what, " (from rank ", from, "); rank ", origin,
                 "'s error: ", text);
   }
-  const BatchMeta meta = decode(ints);
+  BatchMeta meta = decode(ints);
+  std::optional<std::vector<at::Tensor>> values;
+  if (!early) {
+    values = receive_values(meta, from, tag(at, kExpectedPart), what);
+  } else {
+    std::vector<at::Tensor> got;
+    for (auto& p : *early) {
+      at::Tensor t = p.tensors[0];
+      if (!wait(p, from, what)) return std::nullopt;
+      got.push_back(std::move(t));
+    }
+    // Expected shapes: these are the tensors; else filler, and the tensors follow.
+    if (received_meta_.at(key(at)) == meta) {
+      values = std::move(got);
+    } else {
+      values = receive_values(meta, from, tag(at, kChangedPart), what);
+    }
+  }
+  if (!values) return std::nullopt;
   Batch batch;
   batch.atomic = meta.atomic;
-  std::vector<Pending> data;
+  size_t next = 0;
   for (const auto& v : meta.values) {
-    if (!v.defined) {
-      batch.values.emplace_back();
-      continue;
-    }
-    at::Tensor t = at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(device_));
-    batch.values.push_back(t);
-    data.push_back(post_receive({t}, from, tag(at, 1)));
-  }
-  for (auto& p : data) {
-    if (!wait(p, from, what)) return std::nullopt;
+    batch.values.push_back(v.defined ? (*values)[next++] : at::Tensor());
   }
   for (size_t k = 0; k < meta.values.size(); ++k) {
     if (meta.values[k].defined && meta.values[k].requires_grad) batch.values[k].requires_grad_(true);
+  }
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    received_meta_[key(at)] = std::move(meta);
   }
   return Payload{std::move(batch), {}};
 }
@@ -369,8 +459,8 @@ void ProcessGroupTransport::finish() {
   std::vector<Pending> sends;
   {
     std::lock_guard<std::mutex> hold(mutex_);
-    TORCH_INTERNAL_ASSERT(headers_.empty(), "gpipe: a step ended with ", headers_.size(),
-                          " hand-offs not received");
+    TORCH_INTERNAL_ASSERT(headers_.empty() && early_.empty(), "gpipe: a step ended with ",
+                          headers_.size(), " hand-offs not received");
     sends.swap(sent_works_);
   }
   for (auto& p : sends) {
@@ -404,6 +494,13 @@ void ProcessGroupTransport::fail(const std::string& what) {
     bury(std::move(p));
   }
   headers_.clear();
+  for (auto& [k, ps] : early_) {
+    for (auto& p : ps) {
+      p.work->abort();
+      bury(std::move(p));
+    }
+  }
+  early_.clear();
   // Sends nobody will take: kept alive (they may still be read).
   for (auto& p : sent_works_) bury(std::move(p));
   sent_works_.clear();

@@ -12,6 +12,14 @@
 // of a whole step are posted when it begins (`begin`): a peer's header send
 // never waits for us, and Gloo starts moving it at once.
 //
+// Shapes rarely change, so the tensors' receives are posted early too, for
+// the next few addresses in the order this rank takes them, with the shapes
+// the same address had last step (both ends know them): Gloo then moves the
+// tensors right behind the header, without waiting for this rank to ask.
+// When the header says the shapes changed, the sender has sent filler of
+// the old shapes on tag 1 (which the early receives take and drop) and the
+// real tensors on tag(address, 2), which the receiver then asks for.
+//
 // Failure: a rank whose task fails calls `fail`, which sends a failure header
 // (origin rank and its message) to every address it still owes; the peer
 // waiting there fails with an error naming the origin rank and forwards it in
@@ -100,6 +108,11 @@ class ProcessGroupTransport final : public Transport {
   }
   int tag(const Address& a, int part) const;
   Pending post_receive(std::vector<at::Tensor> tensors, int from, int tag);
+  /// Posts the tensors' receives of `a` with last step's shapes, once (under mutex_).
+  void post_early(const Address& a);
+  /// Receives `meta`'s defined values from `from` on `tag`.
+  std::optional<std::vector<at::Tensor>> receive_values(const BatchMeta& meta, int from, int tag,
+                                                        const std::string& what);
   /// Waits for `work`; false when cancelled. Errors name `from` and `what`.
   bool wait(Pending& pending, int from, const std::string& what);
   void send_wire(const std::vector<int64_t>& ints, int64_t kind, int to, int tag);
@@ -122,6 +135,13 @@ class ProcessGroupTransport final : public Transport {
   std::vector<Pending> waiting_;     // receives being waited on (cancel aborts them)
   std::vector<Pending> sent_works_;  // sends not yet known to be taken
   std::set<Key> owed_;               // addresses this step sends to, not yet sent
+  // Last step's metadata per address, as sent and as received (the same
+  // when both ends ran it): the shapes of the early receives.
+  std::map<Key, BatchMeta> sent_meta_;
+  std::map<Key, BatchMeta> received_meta_;
+  std::map<Key, std::vector<Pending>> early_;  // tensors' receives posted early
+  std::vector<Address> upcoming_;              // this step's remote receives, in order
+  size_t taken_ = 0;                           // how many of them were received
   std::atomic<bool> cancelled_{false};
   // The failure a peer announced: its rank and message.
   std::optional<std::pair<int64_t, std::string>> peer_failure_;
