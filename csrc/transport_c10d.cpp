@@ -126,7 +126,14 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
   TORCH_CHECK(stages_ >= size_ && stages_ % size_ == 0, "gpipe: ", stages_,
               " stages over a group of ", size_, " ranks; give each rank the same number of "
               "stages (a multiple of ", size_, ")");
-  gloo_ = group_->getBackendName() == "gloo";
+  const std::string backend = group_->getBackendName();
+  gloo_ = backend == "gloo";
+  // NCCL matches sends to receives by order, not by tag, and this transport
+  // posts receives ahead, by tag: over NCCL it would mismatch them. Until it
+  // has an ordered mode (and a GPU to test it on), it says so.
+  GPIPE_CHECK_VALUE(gloo_, "gpipe.distributed hands batches over Gloo for now, but the group's "
+                    "backend is '", backend, "'; give the pipe a Gloo group (group="
+                    "dist.new_group(backend='gloo')): CUDA tensors then travel through the host");
 }
 
 ProcessGroupTransport::~ProcessGroupTransport() {

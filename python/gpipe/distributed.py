@@ -18,8 +18,7 @@ TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
 
 
 def _default_device(group: Any) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    del group  # the transport runs over Gloo (see ProcessGroupTransport); stages on CPU
     return torch.device("cpu")
 
 
@@ -52,8 +51,9 @@ class Pipe(nn.Module):
         dp_group: the group of this rank's data-parallel replicas (same
             stages on every member); grads are averaged over it after each
             step. None: no data parallelism.
-        device: where this rank's stages run (default: CPU for Gloo, the
-            current CUDA device for NCCL).
+        device: where this rank's stages run (default: CPU). The group must
+            be a Gloo group for now (NCCL is refused with a message saying
+            so); with a CUDA device, tensors travel through the host.
 
     Attributes:
         rank: this rank's index in ``group``.
