@@ -6,6 +6,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
+#include <c10/util/ScopeExit.h>
 
 #include <algorithm>
 #include <exception>
@@ -82,6 +83,20 @@ template <typename... Args>
 // traceback): what a failure header carries.
 std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
 
+// Receives given up on (a cancel, a lost peer) may still be matched by a
+// late message: on the way out, `bury` gets whatever was not waited for
+// (a waited one has its work reset).
+template <typename Pendings, typename Bury>
+auto unwaited(Pendings& pending, Bury bury) {
+  return c10::make_scope_exit([&pending, bury] {
+    for (auto& p : pending) {
+      if (!p.work) continue;
+      p.work->abort();
+      bury(std::move(p));
+    }
+  });
+}
+
 }  // namespace
 
 Handoffs plan_handoffs(const Plan& plan, int64_t worker, const std::vector<SkipRoute>& routes) {
@@ -131,7 +146,7 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
   // NCCL matches sends to receives by order, not by tag, and this transport
   // posts receives ahead, by tag: over NCCL it would mismatch them. Until it
   // has an ordered mode (and a GPU to test it on), it says so.
-  GPIPE_CHECK_VALUE(gloo_, "gpipe.distributed hands batches over Gloo for now, but the group's "
+  GPIPE_CHECK_VALUE(gloo_ || size_ == 1, "gpipe.distributed hands batches over Gloo for now, but the group's "
                     "backend is '", backend, "'; give the pipe a Gloo group (group="
                     "dist.new_group(backend='gloo')): CUDA tensors then travel through the host");
 }
@@ -249,10 +264,12 @@ std::optional<std::vector<at::Tensor>> ProcessGroupTransport::receive_values(
     posted.push_back(post_receive(
         {at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(device_))}, from, tag));
   }
+  auto rest = unwaited(posted, [](Pending p) { bury(std::move(p)); });
   std::vector<at::Tensor> out;
   for (auto& p : posted) {
     at::Tensor t = p.tensors[0];
     if (!wait(p, from, what)) return std::nullopt;
+    p.work.reset();
     out.push_back(std::move(t));
   }
   return out;
@@ -425,10 +442,12 @@ std::optional<Payload> ProcessGroupTransport::receive(const Address& at) {
   if (!early) {
     values = receive_values(meta, from, tag(at, kExpectedPart), what);
   } else {
+    auto rest = unwaited(*early, [](Pending p) { bury(std::move(p)); });
     std::vector<at::Tensor> got;
     for (auto& p : *early) {
       at::Tensor t = p.tensors[0];
       if (!wait(p, from, what)) return std::nullopt;
+      p.work.reset();
       got.push_back(std::move(t));
     }
     // Expected shapes: these are the tensors; else filler, and the tensors follow.
