@@ -159,8 +159,10 @@ std::vector<c10::Device> worker_devices(const std::vector<c10::Device>& devices,
 
 Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c10::Device>& devices,
                int64_t chunks, Checkpoint checkpoint, int64_t intra_op_threads,
-               int64_t virtual_stages, PlanKind plan)
-    : intra_op_threads_(intra_op_split(worker_devices(devices, layers.size(), virtual_stages),
+               int64_t virtual_stages, PlanKind plan,
+               c10::intrusive_ptr<c10d::ProcessGroup> group)
+    : all_stages_(static_cast<int64_t>(layers.size())),
+      intra_op_threads_(intra_op_split(worker_devices(devices, layers.size(), virtual_stages),
                                        intra_op_threads, at::get_num_threads())),
       executor_(static_cast<int64_t>(intra_op_threads_.size()), intra_op_threads_),
       chunks_(chunks),
@@ -168,9 +170,17 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
       virtual_stages_(virtual_stages),
       plan_kind_(plan) {
   TORCH_INTERNAL_ASSERT(devices.size() >= layers.size());
+  if (group) {
+    TORCH_CHECK(static_cast<int64_t>(layers.size()) == virtual_stages, "gpipe: a rank holds ",
+                virtual_stages, " stages (virtual_stages) but got ", layers.size());
+    all_stages_ = virtual_stages * group->getSize();
+    transport_ = std::make_unique<ProcessGroupTransport>(std::move(group), all_stages_);
+  }
   for (size_t j = 0; j < layers.size(); ++j) {
-    stages_.push_back(
-        std::make_unique<Stage>(static_cast<int64_t>(j), std::move(layers[j]), devices[j]));
+    // Stages are named by their index in the whole pipeline.
+    const auto index = transport_ ? transport_->rank() + static_cast<int64_t>(j) * transport_->ranks()
+                                  : static_cast<int64_t>(j);
+    stages_.push_back(std::make_unique<Stage>(index, std::move(layers[j]), devices[j]));
   }
   skips_ = Skips({}, stages());
 }
@@ -237,6 +247,8 @@ std::vector<Payload> Engine::execute(const Schedule& schedule, std::vector<Paylo
 
 Batch Engine::forward(const Batch& input, bool training) {
   Call call(*this, "forward");
+  GPIPE_CHECK_VALUE(!transport_, "a pipeline over a process group runs whole steps on every "
+                    "rank: call train_step or eval_step");
   Scattered scattered = scatter(input, chunks_, input_dims_);
   std::vector<Batch>& microbatches = scattered.microbatches;
   const auto m = static_cast<int64_t>(microbatches.size());

@@ -8,6 +8,7 @@
 #include "stage.h"
 #include "trace.h"
 #include "transport.h"
+#include "transport_c10d.h"
 
 #include <gpipe/error.h>
 #include <gpipe/options.h>
@@ -117,9 +118,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// s mod (stages / virtual_stages). `intra_op_threads`: see PipeOptions;
   /// the calling thread's at::get_num_threads() is what 0 splits between the
   /// CPU workers. `plan`: the schedule train_step runs.
+  ///
+  /// With a process `group` of R ranks the pipeline spans the group: this
+  /// rank (r) holds only its `virtual_stages` stages, stages r, r + R, ...
+  /// of R * virtual_stages, in `layers` in that order, runs them on one
+  /// worker, and hands batches to the other ranks over the group
+  /// (transport_c10d.h). Only `train_step` and `eval_step` run then.
   Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c10::Device>& devices,
          int64_t chunks, Checkpoint checkpoint, int64_t intra_op_threads = 0,
-         int64_t virtual_stages = 1, PlanKind plan = PlanKind::GPipe);
+         int64_t virtual_stages = 1, PlanKind plan = PlanKind::GPipe,
+         c10::intrusive_ptr<c10d::ProcessGroup> group = {});
 
   /// Each stage worker's intra-op thread count as set (0: left to torch).
   const std::vector<int>& intra_op_threads() const noexcept { return intra_op_threads_; }
@@ -149,14 +157,37 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// plain model would add. A failure anywhere throws a CellError naming
   /// stage, micro-batch and phase ("loss" for `loss_fn`).
   /// `training` selects checkpointing, as in `forward`.
+  ///
+  /// Over a process group every rank calls it: `input` matters on the rank
+  /// of stage 0 only, `target` on the last stage's only (empty batches
+  /// elsewhere), every rank runs `chunks` micro-batches, and the loss comes
+  /// back on the last stage's rank (undefined elsewhere). A failure on any
+  /// rank fails the step on every rank, naming the rank where it started;
+  /// later steps are refused (the group's point-to-point state is lost).
   at::Tensor train_step(const Batch& input, const Batch& target, const LossFn& loss_fn,
                         bool training);
+
+  /// Pipelined inference (call under no-grad): every micro-batch forward
+  /// through every stage in the plan's order of forwards, the outputs
+  /// gathered as `forward` does. Over a process group: the output on the
+  /// last stage's rank, an empty batch elsewhere.
+  Batch eval_step(const Batch& input);
+
+  /// Over a process group: fails the step this rank was about to run
+  /// (`training_step`: a train_step, else an eval_step) before it starts,
+  /// so that the other ranks, already in it, fail too (naming this rank and
+  /// `what`) instead of waiting. For errors found before the step (bad
+  /// arguments in the bindings). Nothing in-process.
+  void abandon_step(const std::string& what, bool training_step);
 
   /// The plan train_step runs for `microbatches` micro-batches (validated).
   const Plan& plan(int64_t microbatches);
   PlanKind plan_kind() const noexcept { return plan_kind_; }
 
+  /// The stages this engine runs (over a group: this rank's).
   int64_t stages() const noexcept { return static_cast<int64_t>(stages_.size()); }
+  /// The pipeline's stages in all (over a group: every rank's).
+  int64_t all_stages() const noexcept { return all_stages_; }
   int64_t workers() const noexcept { return executor_.workers(); }
 
   /// Where inputs are cut and outputs joined (see `scatter` and `gather`):
@@ -172,7 +203,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// The skip connections across stages (see SkipRoute): the stages'
   /// layers take and return the extra values. Set before the first run.
   void set_skip_routes(std::vector<SkipRoute> routes) {
-    skips_ = Skips(std::move(routes), stages());
+    skips_ = Skips(std::move(routes), all_stages_);
   }
   const Skips& skips() const noexcept { return skips_; }
 
@@ -194,6 +225,21 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   /// Every stage's lane, in stage order.
   std::vector<const Lane*> lanes() const;
+  /// train_step's and eval_step's run: with `loss_fn` a training step
+  /// returning the loss; without, forwards only, the last stage's outputs
+  /// into `outputs`.
+  at::Tensor step(const Batch& input, const Batch& target, const LossFn* loss_fn, bool training,
+                  std::vector<Batch>* outputs);
+  /// abandon_step, for a caller already holding the Call.
+  void fail_before_step(const std::string& what, bool training_step);
+  /// Whether this engine runs stage `stage` (of all_stages()).
+  bool holds(int64_t stage) const noexcept {
+    return !transport_ || transport_->owner(stage) == transport_->rank();
+  }
+  /// Index into stages_ of stage `stage` (of all_stages()).
+  size_t local(int64_t stage) const noexcept {
+    return static_cast<size_t>(transport_ ? stage / transport_->ranks() : stage);
+  }
   /// One forward, backward or train_step at a time: other threads wait; a
   /// forward or train_step from inside a cell (a Pipe within a Pipe's layer)
   /// and a call from the thread already running this engine are refused at
@@ -210,6 +256,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   };
 
   std::vector<std::unique_ptr<Stage>> stages_;
+  int64_t all_stages_ = 0;
+  /// Over a process group: the hand-offs between ranks; null in-process.
+  std::unique_ptr<ProcessGroupTransport> transport_;
+  /// Set by a failed step over a group: later ones are refused.
+  std::string failed_;
   std::vector<int> intra_op_threads_;  // before executor_: it starts the workers with these
   std::mutex busy_;
   std::atomic<std::thread::id> owner_{};

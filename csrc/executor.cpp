@@ -265,13 +265,19 @@ std::vector<Payload> Executor::run(const Schedule& schedule, std::vector<Payload
 }
 
 void Executor::run_plan(const Plan& plan, const TaskFn& task, Transport& transport,
-                        const at::ThreadLocalState& state) {
-  TORCH_CHECK(plan.workers == workers(), "plan for ", plan.workers, " workers on an executor of ",
-              workers());
+                        const at::ThreadLocalState& state, const std::vector<int64_t>& lists) {
+  TORCH_CHECK(lists.empty() ? plan.workers == workers()
+                            : static_cast<int64_t>(lists.size()) == workers(),
+              "plan for ", plan.workers, " workers (", lists.size(),
+              " of its lists picked) on an executor of ", workers());
+  for (int64_t l : lists) {
+    TORCH_CHECK(l >= 0 && l < plan.workers, "list ", l, " picked from a plan of ", plan.workers);
+  }
   std::mutex error_mutex;
   std::exception_ptr error;
   const Job job = [&](int64_t w) {
-    for (const auto& t : plan.lists[static_cast<size_t>(w)]) {
+    const int64_t list = lists.empty() ? w : lists[static_cast<size_t>(w)];
+    for (const auto& t : plan.lists[static_cast<size_t>(list)]) {
       if (transport.cancelled()) break;
       const char* phase = t.op == Op::F   ? "forward"
                           : t.op == Op::B ? "backward"

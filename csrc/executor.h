@@ -67,9 +67,12 @@ class Executor {
   /// Runs `plan` (checked with `validate` by the caller): worker w runs
   /// `plan.lists[w]` in order, calling `task` for each, under `state`. The
   /// first task that throws cancels `transport` (waking every receive) and
-  /// is rethrown as a CellError once every worker has stopped.
+  /// is rethrown as a CellError once every worker has stopped. `lists`, when
+  /// given, picks the plan's lists this executor runs, one per worker
+  /// (worker w runs `plan.lists[lists[w]]`): one rank of a distributed
+  /// pipeline runs its own list, the other ranks theirs.
   void run_plan(const Plan& plan, const TaskFn& task, Transport& transport,
-                const at::ThreadLocalState& state);
+                const at::ThreadLocalState& state, const std::vector<int64_t>& lists = {});
 
   /// The stage whose cell the calling thread is running now (of any
   /// executor), or -1.

@@ -122,10 +122,22 @@ std::string listed(const std::vector<int64_t>& values) {
   return out.str();
 }
 
+// The first line of an error (a Python error's what() goes on with its
+// traceback): what the other ranks are told.
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
 int64_t total(const std::vector<int64_t>& values) {
   int64_t sum = 0;
   for (int64_t v : values) sum += v;
   return sum;
+}
+
+// Forward tasks only, in the plan's order: eval_step's plan.
+Plan forwards_of(Plan plan) {
+  for (auto& list : plan.lists) {
+    std::erase_if(list, [](const Task& t) { return t.op != Op::F; });
+  }
+  return plan;
 }
 
 }  // namespace
@@ -133,7 +145,9 @@ int64_t total(const std::vector<int64_t>& values) {
 const Plan& Engine::plan(int64_t microbatches) {
   if (!plan_ || plan_->microbatches != microbatches) {
     try {
-      Plan made = make_plan(plan_kind_, workers(), virtual_stages_, microbatches);
+      // Over a group the plan is the whole pipeline's: one list per rank.
+      const int64_t lists = transport_ ? transport_->ranks() : workers();
+      Plan made = make_plan(plan_kind_, lists, virtual_stages_, microbatches);
       validate(made);
       plan_ = std::move(made);
     } catch (const std::invalid_argument& e) {
@@ -146,25 +160,109 @@ const Plan& Engine::plan(int64_t microbatches) {
 at::Tensor Engine::train_step(const Batch& input, const Batch& target, const LossFn& loss_fn,
                               bool training) {
   Call call(*this, "train_step");
-  GPIPE_CHECK_VALUE(at::GradMode::is_enabled(),
-                    "train_step was called with grad mode off (torch.no_grad() or inference "
-                    "mode); a training step needs grads: call it outside no_grad, or use forward "
-                    "for inference");
-  Scattered scattered = scatter(input, chunks_, input_dims_);
-  Scattered targets = scatter(target, chunks_, BatchDims{0}, "target");
-  const auto m = static_cast<int64_t>(scattered.microbatches.size());
-  const auto rows = rows_of(scattered);
-  const auto target_rows = rows_of(targets);
-  GPIPE_CHECK_VALUE(
-      rows.empty() || target_rows.empty() || rows == target_rows,
-      "train_step's target has ", total(target_rows), " rows along dim 0 (cut into ",
-      listed(target_rows), ") but the input has ", total(rows), " along its batch dim (cut into ",
-      listed(rows), "); the target is cut like the input: give one target row per input row");
-  GPIPE_CHECK_VALUE(static_cast<int64_t>(targets.microbatches.size()) == m || target_rows.empty(),
-                    "train_step's target makes ", targets.microbatches.size(),
-                    " micro-batches but the input ", m, "; give one target row per input row");
-  const int64_t s_count = stages();
-  const Plan& plan = this->plan(m);
+  if (!at::GradMode::is_enabled()) {
+    const std::string what =
+        "train_step was called with grad mode off (torch.no_grad() or inference mode); a "
+        "training step needs grads: call it outside no_grad, or use forward for inference";
+    fail_before_step(what, /*training_step=*/true);
+    throw_value_error(what);
+  }
+  return step(input, target, &loss_fn, training, nullptr);
+}
+
+Batch Engine::eval_step(const Batch& input) {
+  Call call(*this, "eval_step");
+  std::vector<Batch> outputs;
+  step(input, Batch(), nullptr, /*training=*/false, &outputs);
+  if (!holds(all_stages_ - 1)) return Batch();
+  return gather(outputs, output_dims_);
+}
+
+void Engine::abandon_step(const std::string& what, bool training_step) {
+  Call call(*this, training_step ? "train_step" : "eval_step");
+  fail_before_step(what, training_step);
+}
+
+void Engine::fail_before_step(const std::string& what, bool training_step) {
+  if (!transport_ || !failed_.empty()) return;
+  const Plan plan = training_step ? this->plan(chunks_) : forwards_of(this->plan(chunks_));
+  transport_->begin(chunks_, plan_handoffs(plan, transport_->rank(), skips_.routes),
+                    skips_.routes);
+  failed_ = first_line(what);
+  transport_->fail(what);
+}
+
+at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* loss_fn,
+                        bool training, std::vector<Batch>* outputs) {
+  if (!failed_.empty()) {
+    // Not a bad argument: the pipe's state (RuntimeError, no backtrace).
+    throw c10::Error(c10::str("a previous step over this process group failed (", failed_,
+                              "), which leaves the group's hand-offs in an unknown state; "
+                              "destroy the process group and build the pipe again"),
+                     /*backtrace=*/nullptr);
+  }
+  const int64_t s_count = all_stages_;
+  // Over a group, the input lives on stage 0's rank, the target on the last
+  // stage's; every rank runs `chunks` micro-batches, and the step's
+  // hand-offs start before anything here can fail: a bad argument on one
+  // rank then stops the others like any failure, instead of leaving them
+  // waiting for it.
+  const bool first = holds(0);
+  const bool last = holds(s_count - 1) && loss_fn != nullptr;
+  std::optional<Plan> forwards;
+  auto plan_of = [&](int64_t microbatches) -> const Plan& {
+    if (loss_fn) return this->plan(microbatches);
+    // eval_step: the forwards of the schedule's plan, in its order (a valid
+    // plan's forwards alone cannot deadlock: they wait on forwards only).
+    forwards = forwards_of(this->plan(microbatches));
+    return *forwards;
+  };
+  const Plan* plan_ptr = nullptr;
+  if (transport_) {
+    plan_ptr = &plan_of(chunks_);
+    transport_->begin(chunks_, plan_handoffs(*plan_ptr, transport_->rank(), skips_.routes),
+                      skips_.routes);
+  }
+  Scattered scattered;
+  Scattered targets;
+  std::vector<int64_t> rows;
+  int64_t m = chunks_;
+  try {
+    if (first) scattered = scatter(input, chunks_, input_dims_);
+    if (last) targets = scatter(target, chunks_, BatchDims{0}, "target");
+    if (transport_) {
+      GPIPE_CHECK_VALUE(!first || static_cast<int64_t>(scattered.microbatches.size()) == chunks_,
+                        "the input makes ", scattered.microbatches.size(), " micro-batches but "
+                        "every rank of the pipeline runs chunks=", chunks_,
+                        "; give at least ", chunks_, " rows");
+      GPIPE_CHECK_VALUE(!last || static_cast<int64_t>(targets.microbatches.size()) == chunks_,
+                        "the target makes ", targets.microbatches.size(), " micro-batches but "
+                        "every rank of the pipeline runs chunks=", chunks_,
+                        "; give one target row per input row, at least ", chunks_);
+    } else {
+      m = static_cast<int64_t>(scattered.microbatches.size());
+    }
+    const auto target_rows = rows_of(targets);
+    rows = first ? rows_of(scattered) : target_rows;
+    GPIPE_CHECK_VALUE(
+        rows.empty() || target_rows.empty() || rows == target_rows,
+        "train_step's target has ", total(target_rows), " rows along dim 0 (cut into ",
+        listed(target_rows), ") but the input has ", total(rows),
+        " along its batch dim (cut into ", listed(rows),
+        "); the target is cut like the input: give one target row per input row");
+    GPIPE_CHECK_VALUE(!last || static_cast<int64_t>(targets.microbatches.size()) == m ||
+                          target_rows.empty(),
+                      "train_step's target makes ", targets.microbatches.size(),
+                      " micro-batches but the input ", m, "; give one target row per input row");
+  } catch (const std::exception& e) {
+    if (transport_) {
+      failed_ = first_line(e.what());
+      transport_->fail(e.what());
+    }
+    throw;
+  }
+  if (!plan_ptr) plan_ptr = &plan_of(m);
+  const Plan& plan = *plan_ptr;
 
   // Micro-batch i's loss counts rows_i / rows of the whole batch's mean.
   std::vector<double> scale(static_cast<size_t>(m), 1.0 / static_cast<double>(m));
@@ -201,21 +299,25 @@ at::Tensor Engine::train_step(const Batch& input, const Batch& target, const Los
     input_wanted[v] = input[v].defined() && input[v].requires_grad();
   }
 
-  std::vector<std::vector<Cell>> cells(static_cast<size_t>(s_count),
-                                       std::vector<Cell>(static_cast<size_t>(m)));
+  std::vector<std::vector<Cell>> cells(stages_.size(), std::vector<Cell>(static_cast<size_t>(m)));
   std::vector<Batch> output_grads(static_cast<size_t>(m));
   std::vector<at::Tensor> losses(static_cast<size_t>(m));
   std::vector<Payload> input_grads(static_cast<size_t>(m));
   Outside outside;
-  Mailboxes mail(s_count, m, skips_.size());
+  // In-process: every stage here, mailboxes between them. Over a group:
+  // this rank's stages, the process group between ranks.
+  std::optional<Mailboxes> mailboxes;
+  if (!transport_) mailboxes.emplace(s_count, m, skips_.size());
+  Transport& mail = transport_ ? static_cast<Transport&>(*transport_) : *mailboxes;
+  if (outputs) outputs->assign(static_cast<size_t>(m), Batch());
 
   const TaskFn task = [&](const Task& t, const char*& phase) {
     const int64_t s = t.stage;
     const int64_t i = t.microbatch;
-    Stage& stage = *stages_[static_cast<size_t>(s)];
+    Stage& stage = *stages_[local(s)];
     const Lane& lane = stage.lane();
     auto guard = on_compute_stream(stage);
-    Cell& cell = cells[static_cast<size_t>(s)][static_cast<size_t>(i)];
+    Cell& cell = cells[local(s)][static_cast<size_t>(i)];
     if (t.op == Op::F) {
       std::optional<Payload> in;
       if (s == 0) {
@@ -239,12 +341,16 @@ at::Tensor Engine::train_step(const Batch& input, const Batch& target, const Los
         mail.send({s + 1, Flow::Activation, i}, Payload{std::move(y), std::move(ready)});
         return;
       }
+      if (!loss_fn) {
+        (*outputs)[static_cast<size_t>(i)] = settle(Payload{std::move(y), mark(lane.compute)});
+        return;
+      }
       phase = "loss";
       Span loss_span(tracer_, step, s, i, TracePhase::Loss, lane.compute);
       Batch target_i =
           receive(Payload{std::move(targets.microbatches[static_cast<size_t>(i)]), target_ready},
                   lane);
-      at::Tensor loss = loss_fn(y, target_i);
+      at::Tensor loss = (*loss_fn)(y, target_i);
       TORCH_CHECK(loss.defined() && loss.numel() == 1, "loss_fn returned ",
                   loss.defined() ? "a tensor of shape " + listed(loss.sizes().vec())
                                  : std::string("an undefined tensor"),
@@ -329,17 +435,35 @@ at::Tensor Engine::train_step(const Batch& input, const Batch& target, const Los
 
   const auto lanes = this->lanes();
   wait_for_current_streams(lanes);
+  // A failure over a group tells the other ranks before anything else.
+  auto fail_group = [&](const std::string& what) {
+    if (!transport_) return;
+    failed_ = first_line(what);
+    transport_->fail(what);
+  };
   try {
-    executor_.run_plan(plan, task, mail, forward_state);
+    if (transport_) {
+      executor_.run_plan(plan, task, mail, forward_state, {transport_->rank()});
+      transport_->finish();
+    } else {
+      executor_.run_plan(plan, task, mail, forward_state);
+    }
   } catch (const CellError& e) {
+    fail_group(e.what());
     current_streams_wait_for(lanes);
     if (error_hook_) error_hook_(e);
     throw;
+  } catch (const std::exception& e) {
+    fail_group(e.what());
+    current_streams_wait_for(lanes);
+    throw;
   } catch (...) {
+    fail_group("unknown error");
     current_streams_wait_for(lanes);
     throw;
   }
   current_streams_wait_for(lanes);
+  if (!loss_fn) return at::Tensor();
 
   // What leaves the pipeline at its ends goes on as autograd would: the
   // input's grad into the caller's input (its .grad, or its graph), the
@@ -376,6 +500,7 @@ at::Tensor Engine::train_step(const Batch& input, const Batch& target, const Los
 
   at::NoGradGuard plain;
   at::Tensor loss;
+  if (!last) return loss;
   for (int64_t i = 0; i < m; ++i) {
     const at::Tensor term = losses[static_cast<size_t>(i)] * scale[static_cast<size_t>(i)];
     loss = loss.defined() ? loss + term : term;

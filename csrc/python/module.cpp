@@ -9,6 +9,7 @@
 #include <gpipe/trace.h>
 
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -71,22 +72,34 @@ class PyEngine {
   PyEngine(const py::list& partitions, const std::vector<c10::Device>& devices, int64_t chunks,
            const std::string& checkpoint, int64_t intra_op_threads, int64_t virtual_stages,
            const std::string& schedule,
-           const std::vector<std::pair<int64_t, int64_t>>& skip_routes) {
+           const std::vector<std::pair<int64_t, int64_t>>& skip_routes,
+           const std::string& group) {
+    // The group crosses from Python by name: the registry torch.distributed
+    // fills is libtorch's own, so this works whatever pybind11 build made
+    // the Python object. Over a group, partition j is stage rank + j * size
+    // of the whole pipeline, and skip routes name whole-pipeline stages.
+    c10::intrusive_ptr<c10d::ProcessGroup> pg;
+    if (!group.empty()) pg = c10d::resolve_process_group(group);
+    const size_t all = pg ? static_cast<size_t>(virtual_stages * pg->getSize()) : partitions.size();
+    auto global = [&](size_t j) {
+      return pg ? static_cast<size_t>(pg->getRank()) + j * static_cast<size_t>(pg->getSize()) : j;
+    };
     std::vector<detail::SkipRoute> routes;
-    std::vector<size_t> arriving(partitions.size(), 0), leaving(partitions.size(), 0);
+    std::vector<size_t> arriving(all, 0), leaving(all, 0);
     for (const auto& [from, to] : skip_routes) {
-      TORCH_CHECK(0 <= from && from < to && static_cast<size_t>(to) < partitions.size(),
-                  "skip route from stage ", from, " to stage ", to, " for ", partitions.size(),
-                  " stages");
+      TORCH_CHECK(0 <= from && from < to && static_cast<size_t>(to) < all,
+                  "skip route from stage ", from, " to stage ", to, " for ", all, " stages");
       routes.push_back(detail::SkipRoute{from, to});
       ++leaving[static_cast<size_t>(from)];
       ++arriving[static_cast<size_t>(to)];
     }
     std::vector<std::unique_ptr<detail::Layers>> stages;
     for (size_t j = 0; j < partitions.size(); ++j) {
+      const size_t g = global(j);
+      TORCH_CHECK(g < all, "partition ", j, " of this rank is stage ", g, " of ", all);
       stages.push_back(std::make_unique<PyLayers>(py::reinterpret_borrow<py::object>(partitions[j]),
-                                                  static_cast<int64_t>(j), arriving[j],
-                                                  leaving[j]));
+                                                  static_cast<int64_t>(g), arriving[g],
+                                                  leaving[g]));
     }
     TORCH_CHECK(!stages.empty(), "a Pipe needs at least one stage");
     TORCH_CHECK(devices.size() >= stages.size(), "got ", devices.size(), " devices for ",
@@ -96,7 +109,7 @@ class PyEngine {
                 "got ", stages.size(), " stages for virtual_stages ", virtual_stages);
     engine_ = std::make_shared<detail::Engine>(std::move(stages), devices, chunks,
                                                parse_checkpoint(checkpoint), intra_op_threads,
-                                               virtual_stages, parse_schedule(schedule));
+                                               virtual_stages, parse_schedule(schedule), pg);
     engine_->set_skip_routes(std::move(routes));
     engine_->set_error_hook(reraise_python);
   }
@@ -111,10 +124,19 @@ class PyEngine {
     return to_python(out);
   }
 
-  at::Tensor train_step(py::handle input, py::handle target, const py::function& loss_fn,
+  // Across ranks, the input is None except on the first, the target None
+  // except on the last: an empty batch; so is the loss elsewhere.
+  py::object train_step(py::handle input, py::handle target, const py::function& loss_fn,
                         bool training) {
-    detail::Batch batch = to_batch(input, "input");
-    detail::Batch targets = to_batch(target, "target");
+    detail::Batch batch;
+    detail::Batch targets;
+    try {
+      batch = input.is_none() ? detail::Batch() : to_batch(input, "input");
+      targets = target.is_none() ? detail::Batch() : to_batch(target, "target");
+    } catch (const std::exception& e) {
+      engine_->abandon_step(e.what(), /*training_step=*/true);
+      throw;
+    }
     // Called on the last stage's worker: takes the GIL for the call only.
     const detail::LossFn fn = [&loss_fn](const detail::Batch& out, const detail::Batch& t) {
       py::gil_scoped_acquire gil;
@@ -127,8 +149,30 @@ class PyEngine {
       }
       return THPVariable_Unpack(loss.ptr());
     };
-    py::gil_scoped_release no_gil;  // the workers take it to call the layers
-    return engine_->train_step(batch, targets, fn, training);
+    at::Tensor loss;
+    {
+      py::gil_scoped_release no_gil;  // the workers take it to call the layers
+      loss = engine_->train_step(batch, targets, fn, training);
+    }
+    if (!loss.defined()) return py::none();
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(loss));
+  }
+
+  py::object eval_step(py::handle input) {
+    detail::Batch batch;
+    try {
+      batch = input.is_none() ? detail::Batch() : to_batch(input, "input");
+    } catch (const std::exception& e) {
+      engine_->abandon_step(e.what(), /*training_step=*/false);
+      throw;
+    }
+    detail::Batch out;
+    {
+      py::gil_scoped_release no_gil;
+      out = engine_->eval_step(batch);
+    }
+    if (out.values.empty()) return py::none();
+    return to_python(out);
   }
 
   void set_batch_dims(detail::BatchDims input, detail::BatchDims output) {
@@ -137,6 +181,10 @@ class PyEngine {
 
   int64_t microbatches(py::handle input) {
     return engine_->microbatches(to_batch(input, "input"));
+  }
+
+  void abandon_step(const std::string& what, bool training_step) {
+    engine_->abandon_step(what, training_step);
   }
 
   detail::Tracer& tracer() { return engine_->tracer(); }
@@ -175,23 +223,38 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PyEngine>(m, "Engine", "Runs stages of Python modules as a GPipe pipeline.")
       .def(py::init<const py::list&, const std::vector<c10::Device>&, int64_t,
                     const std::string&, int64_t, int64_t, const std::string&,
-                    const std::vector<std::pair<int64_t, int64_t>>&>(),
+                    const std::vector<std::pair<int64_t, int64_t>>&, const std::string&>(),
            py::arg("partitions"), py::arg("devices"), py::arg("chunks"), py::arg("checkpoint"),
            py::arg("intra_op_threads") = 0, py::arg("virtual_stages") = 1,
            py::arg("schedule") = "1f1b",
            py::arg("skip_routes") = std::vector<std::pair<int64_t, int64_t>>(),
+           py::arg("group") = "",
            R"doc(partitions: one list of modules per stage, or a gpipe.skip StageRunner for a
 stage with skips; devices: one per stage;
 chunks: micro-batches per mini-batch; checkpoint: 'always', 'except_last' or 'never';
 intra_op_threads: 0 splits this thread's torch.get_num_threads() between the CPU workers,
 N > 0 gives each CPU worker N, -1 leaves torch's setting; virtual_stages: stages per worker
 (stage s runs on worker s % workers); schedule: train_step's order, 'gpipe', '1f1b',
-'interleaved_1f1b' or 'zb_h1'; skip_routes: (stashing stage, popping stage) per skip across stages, in the order the runners take and give them.)doc")
+'interleaved_1f1b' or 'zb_h1'; skip_routes: (stashing stage, popping stage) per skip across stages, in the order the runners take and give them;
+group: a torch.distributed group's name (group_name) for a pipeline over its ranks: partitions
+are then this rank's stages (stage s on rank s % size, virtual_stages per rank); empty: every
+stage in this process.)doc")
       .def("train_step", &PyEngine::train_step, py::arg("input"), py::arg("target"),
            py::arg("loss_fn"), py::arg("training"),
            R"doc(One training step inside the pipeline: forward, loss_fn(output, target) per
 micro-batch (scaled by its share of the rows), backward, in the schedule's order; returns the
-batch's loss, detached.)doc")
+batch's loss, detached (None on a rank without the last stage).)doc")
+      .def(
+          "abandon_step",
+          [](PyEngine& e, const std::string& what, bool training_step) {
+            e.abandon_step(what, training_step);
+          },
+          py::arg("what"), py::arg("training_step"), py::call_guard<py::gil_scoped_release>(),
+          R"doc(Over a process group: fails the step this rank was about to run (an error found
+before it, in Python), so the other ranks fail too, naming this rank and `what`.)doc")
+      .def("eval_step", &PyEngine::eval_step, py::arg("input"),
+           R"doc(Pipelined inference over the group's ranks (no grad): the gathered output on
+the rank of the last stage, None elsewhere.)doc")
       .def_property_readonly(
           "intra_op_threads", [](const PyEngine& e) { return e.intra_op_threads(); },
           "Each stage worker's intra-op thread count as set (0: left to torch).")

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <gpipe/balance.h>
+#include <gpipe/distributed_pipe.h>
 #include <gpipe/error.h>
 #include <gpipe/options.h>
 #include <gpipe/phase.h>

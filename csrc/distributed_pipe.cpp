@@ -1,0 +1,165 @@
+// distributed_pipe.cpp — DistributedPipeImpl: checks the options, keeps this rank's layers, runs the engine over the group.
+#include <gpipe/distributed_pipe.h>
+
+#include <gpipe/skip.h>
+
+#include "check.h"
+#include "engine.h"
+#include "stage.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <ATen/ops/cat.h>
+
+#include <iterator>
+#include <numeric>
+#include <string>
+
+namespace gpipe {
+
+namespace {
+
+// One stage's layers run in order, one tensor through (no skips yet: the
+// constructor refuses skippable layers).
+class ChainLayers : public detail::Layers {
+ public:
+  explicit ChainLayers(std::vector<torch::nn::AnyModule> modules) : modules_(std::move(modules)) {}
+
+  detail::Batch forward(const detail::Batch& input) override {
+    TORCH_CHECK(input.atomic && input.size() == 1, "gpipe::DistributedPipe hands one tensor "
+                "between stages, got ", input.size());
+    torch::nn::AnyValue value = modules_[0].any_forward(input[0]);
+    for (size_t n = 1; n < modules_.size(); ++n) value = modules_[n].any_forward(std::move(value));
+    auto* t = value.try_get<torch::Tensor>();
+    TORCH_CHECK(t != nullptr, "a stage's last layer returned a value of type ",
+                value.type_info().name(), "; gpipe::DistributedPipe hands one torch::Tensor "
+                "between stages");
+    return detail::Batch(*t);
+  }
+
+ private:
+  std::vector<torch::nn::AnyModule> modules_;
+};
+
+detail::PlanKind kind_of(Schedule schedule) {
+  switch (schedule) {
+    case Schedule::GPipe:
+      return detail::PlanKind::GPipe;
+    case Schedule::OneFOneB:
+      return detail::PlanKind::OneFOneB;
+    case Schedule::Interleaved1F1B:
+      return detail::PlanKind::Interleaved1F1B;
+    case Schedule::ZBH1:
+      return detail::PlanKind::ZBH1;
+  }
+  return detail::PlanKind::OneFOneB;
+}
+
+}  // namespace
+
+DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
+                                         DistributedPipeOptions options)
+    : options_(std::move(options)) {
+  const auto& group = options_.group();
+  GPIPE_CHECK_VALUE(group, "DistributedPipeOptions has no group; pass .group(process_group) "
+                    "(from your launcher, or c10d::resolve_process_group(name))");
+  const int64_t ranks = group->getSize();
+  rank_ = group->getRank();
+  const int64_t v = options_.virtual_stages();
+  GPIPE_CHECK_VALUE(v >= 1, "virtual_stages must be at least 1, got ", v);
+  const auto& balance = options_.balance();
+  const int64_t stages = ranks * v;
+  GPIPE_CHECK_VALUE(static_cast<int64_t>(balance.size()) == stages, "balance has ",
+                    balance.size(), " stages but the group has ", ranks, " ranks x "
+                    "virtual_stages ", v, " = ", stages, " stages; pass ", stages, " entries");
+  for (int64_t n : balance) {
+    GPIPE_CHECK_VALUE(n > 0, "every balance entry must be positive, got ", n);
+  }
+  const int64_t total = std::accumulate(balance.begin(), balance.end(), int64_t{0});
+  GPIPE_CHECK_VALUE(total == static_cast<int64_t>(sequential->size()), "balance sums to ", total,
+                    " but the Sequential has ", sequential->size(),
+                    " layers; pass one entry per stage summing to ", sequential->size());
+  GPIPE_CHECK_VALUE(options_.chunks() >= 1, "chunks must be at least 1, got ", options_.chunks());
+
+  std::vector<int64_t> starts(static_cast<size_t>(stages), 0);
+  for (int64_t s = 1; s < stages; ++s) starts[s] = starts[s - 1] + balance[s - 1];
+  const auto children = sequential->named_children();
+  std::vector<std::unique_ptr<detail::Layers>> parts;
+  for (int64_t s = rank_; s < stages; s += ranks) {
+    stages_.push_back(s);
+    std::vector<torch::nn::AnyModule> layers;
+    for (int64_t k = starts[s]; k < starts[s] + balance[s]; ++k) {
+      const auto& any = *std::next(sequential->begin(), k);
+      const auto layer = any.ptr();
+      GPIPE_CHECK_VALUE(dynamic_cast<const Skippable*>(layer.get()) == nullptr,
+                        "layer ", k, " is skippable, but gpipe::DistributedPipe has no skips "
+                        "yet; use gpipe.distributed.Pipe from Python, or gpipe::Pipe");
+      layer->to(options_.device());
+      register_module(children[static_cast<size_t>(k)].key(), layer);
+      layers.push_back(any);
+    }
+    parts.push_back(std::make_unique<ChainLayers>(std::move(layers)));
+  }
+  is_first_ = stages_.front() == 0;
+  is_last_ = stages_.back() == stages - 1;
+  engine_ = std::make_shared<detail::Engine>(
+      std::move(parts), std::vector<c10::Device>(static_cast<size_t>(v), options_.device()),
+      options_.chunks(), options_.checkpoint(), /*intra_op_threads=*/-1, v,
+      kind_of(options_.schedule()), group);
+}
+
+DistributedPipeImpl::~DistributedPipeImpl() = default;
+
+torch::Tensor DistributedPipeImpl::train_step(const torch::Tensor& input,
+                                              const torch::Tensor& target, const LossFn& loss_fn) {
+  const detail::LossFn fn = [&](const detail::Batch& out, const detail::Batch& t) {
+    return loss_fn(out[0], t[0]);
+  };
+  auto batch = [](const torch::Tensor& t) { return t.defined() ? detail::Batch(t) : detail::Batch(); };
+  if (is_first_ && !input.defined()) {
+    const std::string what = "rank " + std::to_string(rank_) + " holds stage 0, so train_step "
+                             "needs the input here";
+    engine_->abandon_step(what, /*training_step=*/true);
+    detail::throw_value_error(what);
+  }
+  if (is_last_ && !target.defined()) {
+    const std::string what = "rank " + std::to_string(rank_) + " holds the last stage, so "
+                             "train_step needs the target here";
+    engine_->abandon_step(what, /*training_step=*/true);
+    detail::throw_value_error(what);
+  }
+  torch::Tensor loss = engine_->train_step(is_first_ ? batch(input) : detail::Batch(),
+                                           is_last_ ? batch(target) : detail::Batch(), fn,
+                                           is_training());
+  if (options_.dp_group()) average_grads();
+  return loss;
+}
+
+torch::Tensor DistributedPipeImpl::eval_step(const torch::Tensor& input) {
+  at::NoGradGuard no_grad;
+  detail::Batch out = engine_->eval_step(is_first_ && input.defined() ? detail::Batch(input)
+                                                                      : detail::Batch());
+  return out.values.empty() ? torch::Tensor() : out[0];
+}
+
+void DistributedPipeImpl::average_grads() {
+  // One all_reduce over the replicas of every grad, flattened (one dtype
+  // and device: this rank's stages share both).
+  std::vector<torch::Tensor> grads;
+  for (auto& p : parameters()) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  if (grads.empty()) return;
+  std::vector<torch::Tensor> pieces;
+  for (const auto& g : grads) pieces.push_back(g.reshape(-1));
+  std::vector<torch::Tensor> flat{torch::cat(pieces)};
+  options_.dp_group()->allreduce(flat)->wait();
+  flat[0].div_(options_.dp_group()->getSize());
+  int64_t at = 0;
+  for (auto& g : grads) {
+    g.copy_(flat[0].narrow(0, at, g.numel()).view_as(g));
+    at += g.numel();
+  }
+}
+
+}  // namespace gpipe

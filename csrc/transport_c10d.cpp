@@ -1,0 +1,535 @@
+// transport_c10d.cpp — the process-group transport: header and tensors by isend/irecv, failure headers, peers named in errors.
+#include "transport_c10d.h"
+
+#include "check.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <c10/util/ScopeExit.h>
+
+#include <algorithm>
+#include <exception>
+#include <limits>
+
+namespace gpipe::detail {
+
+namespace {
+
+// The fixed header message: [kind, length, up to kWireInts - 2 integers];
+// a longer header (a batch of many values) sends the rest in a second
+// message on the same tag.
+constexpr int64_t kWireInts = 64;
+constexpr int64_t kWireBody = kWireInts - 2;
+constexpr int64_t kBatch = 0;
+constexpr int64_t kFailure = 1;
+// Tag parts: the header, the tensors as the receiver expects them, the
+// tensors after a change of shapes.
+constexpr int kHeaderPart = 0;
+constexpr int kExpectedPart = 1;
+constexpr int kChangedPart = 2;
+// How many receives ahead the tensors' receives are posted: the memory of
+// that many hand-offs, received before their turn.
+constexpr size_t kEarlyWindow = 8;
+// A failure header's text is cut to what fits in one message.
+constexpr size_t kFailureChars = static_cast<size_t>(kWireBody - 1) * sizeof(int64_t);
+
+std::vector<int64_t> pack(int64_t origin, const std::string& text) {
+  const std::string cut = text.substr(0, std::min(text.size(), kFailureChars));
+  std::vector<int64_t> ints{origin};
+  std::vector<int64_t> chars((cut.size() + sizeof(int64_t) - 1) / sizeof(int64_t), 0);
+  for (size_t k = 0; k < cut.size(); ++k) {
+    chars[k / 8] |= static_cast<int64_t>(static_cast<uint8_t>(cut[k])) << (8 * (k % 8));
+  }
+  ints.insert(ints.end(), chars.begin(), chars.end());
+  return ints;
+}
+
+std::pair<int64_t, std::string> unpack(const std::vector<int64_t>& ints) {
+  TORCH_CHECK(!ints.empty(), "gpipe: empty failure header");
+  std::string text;
+  for (size_t k = 1; k < ints.size(); ++k) {
+    for (size_t b = 0; b < sizeof(int64_t); ++b) {
+      const auto c = static_cast<char>((static_cast<uint64_t>(ints[k]) >> (8 * b)) & 0xff);
+      if (c == '\0') return {ints[0], text};
+      text.push_back(c);
+    }
+  }
+  return {ints[0], text};
+}
+
+const char* flow_name(Flow flow) {
+  switch (flow) {
+    case Flow::Activation:
+      return "activations";
+    case Flow::Grad:
+      return "grads";
+    case Flow::Skip:
+      return "skip";
+    case Flow::SkipGrad:
+      return "skip grad";
+  }
+  return "?";
+}
+
+// A failure between ranks: the message names the ranks; a C++ backtrace of
+// this rank would only hide that.
+template <typename... Args>
+[[noreturn]] void fail_between_ranks(const Args&... args) {
+  throw c10::Error(c10::str(args...), /*backtrace=*/nullptr);
+}
+
+// The first line of an error (a Python error's what() goes on with its
+// traceback): what a failure header carries.
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+// Receives given up on (a cancel, a lost peer) may still be matched by a
+// late message: on the way out, `bury` gets whatever was not waited for
+// (a waited one has its work reset).
+template <typename Pendings, typename Bury>
+auto unwaited(Pendings& pending, Bury bury) {
+  return c10::make_scope_exit([&pending, bury] {
+    for (auto& p : pending) {
+      if (!p.work) continue;
+      p.work->abort();
+      bury(std::move(p));
+    }
+  });
+}
+
+}  // namespace
+
+Handoffs plan_handoffs(const Plan& plan, int64_t worker, const std::vector<SkipRoute>& routes) {
+  Handoffs h;
+  const int64_t last = plan.stages - 1;
+  for (const auto& t : plan.lists[static_cast<size_t>(worker)]) {
+    const int64_t s = t.stage;
+    const int64_t i = t.microbatch;
+    if (t.op == Op::F) {
+      if (s > 0) h.receives.push_back({s, Flow::Activation, i});
+      if (s < last) h.sends.push_back({s + 1, Flow::Activation, i});
+    } else if (t.op == Op::B || t.op == Op::I) {
+      if (s < last) h.receives.push_back({s, Flow::Grad, i});
+      if (s > 0) h.sends.push_back({s - 1, Flow::Grad, i});
+    } else {
+      continue;
+    }
+    // Skips travel with the forward (stashed at `from`, popped at `to`),
+    // their grads with the backward (I, when split), straight back.
+    for (size_t r = 0; r < routes.size(); ++r) {
+      const auto route = static_cast<int64_t>(r);
+      const auto& [from, to] = routes[r];
+      if (t.op == Op::F) {
+        if (to == s) h.receives.push_back({s, Flow::Skip, i, route});
+        if (from == s) h.sends.push_back({to, Flow::Skip, i, route});
+      } else {
+        if (from == s) h.receives.push_back({s, Flow::SkipGrad, i, route});
+        if (to == s) h.sends.push_back({from, Flow::SkipGrad, i, route});
+      }
+    }
+  }
+  return h;
+}
+
+ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                             int64_t stages, c10::Device device)
+    : group_(std::move(group)), rank_(0), size_(1), stages_(stages), device_(device) {
+  TORCH_CHECK(group_, "gpipe: no process group; call torch.distributed.init_process_group() "
+                      "(or pass group=) before building the pipe");
+  rank_ = group_->getRank();
+  size_ = group_->getSize();
+  TORCH_CHECK(stages_ >= size_ && stages_ % size_ == 0, "gpipe: ", stages_,
+              " stages over a group of ", size_, " ranks; give each rank the same number of "
+              "stages (a multiple of ", size_, ")");
+  const std::string backend = group_->getBackendName();
+  gloo_ = backend == "gloo";
+  // NCCL matches sends to receives by order, not by tag, and this transport
+  // posts receives ahead, by tag: over NCCL it would mismatch them. Until it
+  // has an ordered mode (and a GPU to test it on), it says so.
+  GPIPE_CHECK_VALUE(gloo_ || size_ == 1, "gpipe.distributed hands batches over Gloo for now, but the group's "
+                    "backend is '", backend, "'; give the pipe a Gloo group (group="
+                    "dist.new_group(backend='gloo')): CUDA tensors then travel through the host");
+}
+
+ProcessGroupTransport::~ProcessGroupTransport() {
+  // A step that ended normally left nothing in flight; after a failure
+  // `fail` buried what was. Anything left here comes from an exception
+  // between begin and finish/fail: drop it the same careful way.
+  std::lock_guard<std::mutex> hold(mutex_);
+  for (auto& [k, p] : headers_) {
+    p.work->abort();
+    bury(std::move(p));
+  }
+  for (auto& p : sent_works_) bury(std::move(p));
+  for (auto& [k, ps] : early_) {
+    for (auto& p : ps) {
+      p.work->abort();
+      bury(std::move(p));
+    }
+  }
+}
+
+int ProcessGroupTransport::source(const Address& at) const {
+  switch (at.flow) {
+    case Flow::Activation:
+      return owner(at.stage - 1);
+    case Flow::Grad:
+      return owner(at.stage + 1);
+    case Flow::Skip:
+    case Flow::SkipGrad:
+      TORCH_INTERNAL_ASSERT(at.route >= 0 && at.route < static_cast<int64_t>(routes_.size()));
+      const auto& route = routes_[static_cast<size_t>(at.route)];
+      return owner(at.flow == Flow::Skip ? route.from : route.to);
+  }
+  return rank_;
+}
+
+int ProcessGroupTransport::tag(const Address& a, int part) const {
+  // One row per (stage, activations or grads), then per (route, skip or
+  // its grad), as the mailboxes lay them out; rows per micro-batch.
+  const auto rows = (stages_ + static_cast<int64_t>(routes_.size())) * 2;
+  const int64_t row = a.flow == Flow::Activation || a.flow == Flow::Grad
+                          ? a.stage * 2 + static_cast<int64_t>(a.flow)
+                          : (stages_ + a.route) * 2 + (a.flow == Flow::Skip ? 0 : 1);
+  const int64_t t = (a.microbatch * rows + row) * 3 + part;
+  TORCH_CHECK(t <= std::numeric_limits<int>::max(), "gpipe: ", stages_, " stages and ",
+              microbatches_, " micro-batches exceed the tags of a process group; use fewer "
+              "chunks");
+  return static_cast<int>(t);
+}
+
+std::string ProcessGroupTransport::describe_address(const Address& a) const {
+  if (a.flow == Flow::Skip || a.flow == Flow::SkipGrad) {
+    return c10::str("stage ", a.stage, "'s ", flow_name(a.flow), " of route ", a.route,
+                    " for micro-batch ", a.microbatch);
+  }
+  return c10::str("stage ", a.stage, "'s ", flow_name(a.flow), " of micro-batch ", a.microbatch);
+}
+
+void ProcessGroupTransport::bury(Pending pending) {
+  // An aborted Gloo receive may still be matched by a late message, which
+  // then writes into its buffer: the buffer (and its work) must outlive
+  // that. After a failed step that is the process's lifetime; the pipe
+  // refuses further steps, so this holds one step's worth at most.
+  static auto* graveyard = new std::vector<Pending>();
+  static std::mutex lock;
+  std::lock_guard<std::mutex> hold(lock);
+  graveyard->push_back(std::move(pending));
+}
+
+void ProcessGroupTransport::begin(int64_t microbatches, const Handoffs& handoffs,
+                                  std::vector<SkipRoute> routes) {
+  microbatches_ = microbatches;
+  routes_ = std::move(routes);
+  cancelled_.store(false);
+  peer_failure_.reset();
+  local_.emplace(stages_, microbatches, static_cast<int64_t>(routes_.size()));
+  std::lock_guard<std::mutex> hold(mutex_);
+  TORCH_INTERNAL_ASSERT(headers_.empty() && sent_works_.empty());
+  owed_.clear();
+  for (const auto& a : handoffs.sends) {
+    if (owner(a.stage) != rank_) owed_.insert(key(a));
+  }
+  upcoming_.clear();
+  taken_ = 0;
+  for (const auto& a : handoffs.receives) {
+    const int from = source(a);
+    if (from == rank_) continue;
+    headers_.emplace(key(a),
+                     post_receive({at::empty({kWireInts}, at::kLong)}, from, tag(a, kHeaderPart)));
+    upcoming_.push_back(a);
+  }
+  for (size_t k = 0; k < std::min(kEarlyWindow, upcoming_.size()); ++k) post_early(upcoming_[k]);
+}
+
+void ProcessGroupTransport::post_early(const Address& a) {
+  const Key k = key(a);
+  auto last = received_meta_.find(k);
+  if (last == received_meta_.end() || early_.count(k)) return;
+  std::vector<Pending> posted;
+  for (const auto& v : last->second.values) {
+    if (!v.defined) continue;
+    posted.push_back(post_receive(
+        {at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(device_))}, source(a),
+        tag(a, kExpectedPart)));
+  }
+  early_.emplace(k, std::move(posted));
+}
+
+std::optional<std::vector<at::Tensor>> ProcessGroupTransport::receive_values(
+    const BatchMeta& meta, int from, int tag, const std::string& what) {
+  std::vector<Pending> posted;
+  for (const auto& v : meta.values) {
+    if (!v.defined) continue;
+    posted.push_back(post_receive(
+        {at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(device_))}, from, tag));
+  }
+  auto rest = unwaited(posted, [](Pending p) { bury(std::move(p)); });
+  std::vector<at::Tensor> out;
+  for (auto& p : posted) {
+    at::Tensor t = p.tensors[0];
+    if (!wait(p, from, what)) return std::nullopt;
+    p.work.reset();
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+ProcessGroupTransport::Pending ProcessGroupTransport::post_receive(std::vector<at::Tensor> tensors,
+                                                                   int from, int tag) {
+  Pending p;
+  p.tensors = std::move(tensors);
+  p.work = group_->recv(p.tensors, from, tag);
+  return p;
+}
+
+bool ProcessGroupTransport::wait(Pending& pending, int from, const std::string& what) {
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    if (cancelled_.load()) {
+      pending.work->abort();
+      bury(std::move(pending));
+      return false;
+    }
+    waiting_.push_back(pending);
+  }
+  bool done = false;
+  std::exception_ptr error;
+  try {
+    done = pending.work->wait();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    waiting_.erase(std::find_if(waiting_.begin(), waiting_.end(),
+                                [&](const Pending& p) { return p.work == pending.work; }));
+  }
+  if (error) {
+    std::string message;
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      message = e.what();
+    } catch (...) {
+      message = "unknown error";
+    }
+    fail_between_ranks("gpipe: rank ", rank_, " lost rank ", from, " while receiving ", what,
+                ": ", message, " (rank ", from, " died, or did not answer within the process "
+                "group's timeout)");
+  }
+  if (!done || cancelled_.load()) {
+    bury(std::move(pending));
+    return false;
+  }
+  return true;
+}
+
+void ProcessGroupTransport::send_wire(const std::vector<int64_t>& ints, int64_t kind, int to,
+                                      int tag) {
+  const auto length = static_cast<int64_t>(ints.size());
+  at::Tensor wire = at::zeros({kWireInts}, at::kLong);
+  auto* w = wire.data_ptr<int64_t>();
+  w[0] = kind;
+  w[1] = length;
+  std::copy_n(ints.begin(), std::min(length, kWireBody), w + 2);
+  std::vector<Pending> out;
+  Pending head;
+  head.tensors = {wire};
+  head.work = group_->send(head.tensors, to, tag);
+  out.push_back(std::move(head));
+  if (length > kWireBody) {
+    Pending rest;
+    rest.tensors = {at::empty({length - kWireBody}, at::kLong)};
+    std::copy(ints.begin() + kWireBody, ints.end(), rest.tensors[0].data_ptr<int64_t>());
+    rest.work = group_->send(rest.tensors, to, tag);
+    out.push_back(std::move(rest));
+  }
+  std::lock_guard<std::mutex> hold(mutex_);
+  for (auto& p : out) sent_works_.push_back(std::move(p));
+}
+
+void ProcessGroupTransport::send(const Address& to, Payload payload) {
+  const int dst = owner(to.stage);
+  if (dst == rank_) {
+    local_->send(to, std::move(payload));
+    return;
+  }
+  Batch batch = settle(std::move(payload));
+  BatchMeta meta = describe(batch);
+  send_wire(encode(meta), kBatch, dst, tag(to, kHeaderPart));
+  // The receiver expects last step's shapes on kExpectedPart: filler of
+  // those when they changed, the tensors on kChangedPart.
+  std::vector<Pending> out;
+  int data_tag = tag(to, kExpectedPart);
+  auto last = sent_meta_.find(key(to));
+  if (last != sent_meta_.end() && !(last->second == meta)) {
+    for (const auto& v : last->second.values) {
+      if (!v.defined) continue;
+      Pending p;
+      p.tensors = {at::empty(v.shape, at::TensorOptions().dtype(v.dtype))};
+      p.work = group_->send(p.tensors, dst, data_tag);
+      out.push_back(std::move(p));
+    }
+    data_tag = tag(to, kChangedPart);
+  }
+  sent_meta_[key(to)] = std::move(meta);
+  for (const auto& value : batch.values) {
+    if (!value.defined()) continue;
+    at::Tensor t = value.detach();
+    // Gloo reads the tensor's memory on the host.
+    if (gloo_ && !t.device().is_cpu()) t = t.cpu();
+    Pending p;
+    p.tensors = {t.contiguous()};
+    p.work = group_->send(p.tensors, dst, data_tag);
+    out.push_back(std::move(p));
+  }
+  std::lock_guard<std::mutex> hold(mutex_);
+  for (auto& p : out) sent_works_.push_back(std::move(p));
+  owed_.erase(key(to));
+}
+
+std::optional<Payload> ProcessGroupTransport::receive(const Address& at) {
+  const int from = source(at);
+  if (from == rank_) return local_->receive(at);
+  const std::string what = describe_address(at);
+  Pending head;
+  std::optional<std::vector<Pending>> early;
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    auto it = headers_.find(key(at));
+    TORCH_INTERNAL_ASSERT(it != headers_.end(), "gpipe: receive at ", what,
+                          " was not announced by begin, or taken twice");
+    head = std::move(it->second);
+    headers_.erase(it);
+    // The sender sends last step's shapes (or filler) on kExpectedPart:
+    // this address's receives must be posted; the window moves on.
+    post_early(at);
+    auto e = early_.find(key(at));
+    if (e != early_.end()) {
+      early = std::move(e->second);
+      early_.erase(e);
+    }
+    ++taken_;
+    const size_t end = std::min(taken_ + kEarlyWindow, upcoming_.size());
+    for (size_t k = taken_; k < end; ++k) post_early(upcoming_[k]);
+  }
+  if (!wait(head, from, what)) return std::nullopt;
+  const auto* w = head.tensors[0].const_data_ptr<int64_t>();
+  const int64_t kind = w[0];
+  const int64_t length = w[1];
+  if ((kind != kBatch && kind != kFailure) || length < 0) {
+    fail_between_ranks("gpipe: rank ", rank_, " got a malformed hand-off header from rank ", from,
+                       " for ", what, " (kind ", kind, ", length ", length,
+                       "); run the same gpipe version on every rank");
+  }
+  std::vector<int64_t> ints(w + 2, w + 2 + std::min(length, kWireBody));
+  if (length > kWireBody) {
+    Pending rest = post_receive({at::empty({length - kWireBody}, at::kLong)}, from, tag(at, 0));
+    if (!wait(rest, from, what)) return std::nullopt;
+    const auto* r = rest.tensors[0].const_data_ptr<int64_t>();
+    ints.insert(ints.end(), r, r + (length - kWireBody));
+  }
+  if (kind == kFailure) {
+    auto [origin, text] = unpack(ints);
+    peer_failure_ = {origin, text};
+    fail_between_ranks("gpipe: rank ", origin, " failed, so rank ", rank_,
+                " stopped waiting for ", what, " (from rank ", from, "); rank ", origin,
+                "'s error: ", text);
+  }
+  BatchMeta meta = decode(ints);
+  std::optional<std::vector<at::Tensor>> values;
+  if (!early) {
+    values = receive_values(meta, from, tag(at, kExpectedPart), what);
+  } else {
+    auto rest = unwaited(*early, [](Pending p) { bury(std::move(p)); });
+    std::vector<at::Tensor> got;
+    for (auto& p : *early) {
+      at::Tensor t = p.tensors[0];
+      if (!wait(p, from, what)) return std::nullopt;
+      p.work.reset();
+      got.push_back(std::move(t));
+    }
+    // Expected shapes: these are the tensors; else filler, and the tensors follow.
+    if (received_meta_.at(key(at)) == meta) {
+      values = std::move(got);
+    } else {
+      values = receive_values(meta, from, tag(at, kChangedPart), what);
+    }
+  }
+  if (!values) return std::nullopt;
+  Batch batch;
+  batch.atomic = meta.atomic;
+  size_t next = 0;
+  for (const auto& v : meta.values) {
+    batch.values.push_back(v.defined ? (*values)[next++] : at::Tensor());
+  }
+  for (size_t k = 0; k < meta.values.size(); ++k) {
+    if (meta.values[k].defined && meta.values[k].requires_grad) batch.values[k].requires_grad_(true);
+  }
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    received_meta_[key(at)] = std::move(meta);
+  }
+  return Payload{std::move(batch), {}};
+}
+
+void ProcessGroupTransport::cancel() {
+  std::lock_guard<std::mutex> hold(mutex_);
+  cancelled_.store(true);
+  for (auto& p : waiting_) p.work->abort();
+  if (local_) local_->cancel();
+}
+
+void ProcessGroupTransport::finish() {
+  std::vector<Pending> sends;
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    TORCH_INTERNAL_ASSERT(headers_.empty() && early_.empty(), "gpipe: a step ended with ",
+                          headers_.size(), " hand-offs not received");
+    sends.swap(sent_works_);
+  }
+  for (auto& p : sends) {
+    try {
+      p.work->wait();
+    } catch (const std::exception& e) {
+      fail_between_ranks("gpipe: rank ", rank_, " could not hand its outputs on: ", e.what());
+    }
+  }
+}
+
+void ProcessGroupTransport::fail(const std::string& what) {
+  const auto [origin, text] =
+      peer_failure_ ? *peer_failure_ : std::pair<int64_t, std::string>{rank_, first_line(what)};
+  std::set<Key> owed;
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    owed.swap(owed_);
+  }
+  // Peers that died refuse the message: nothing to tell them.
+  for (const auto& [stage, flow, microbatch, route] : owed) {
+    const Address a{stage, static_cast<Flow>(flow), microbatch, route};
+    try {
+      send_wire(pack(origin, text), kFailure, owner(stage), tag(a, 0));
+    } catch (const std::exception&) {
+    }
+  }
+  std::lock_guard<std::mutex> hold(mutex_);
+  for (auto& [k, p] : headers_) {
+    p.work->abort();
+    bury(std::move(p));
+  }
+  headers_.clear();
+  for (auto& [k, ps] : early_) {
+    for (auto& p : ps) {
+      p.work->abort();
+      bury(std::move(p));
+    }
+  }
+  early_.clear();
+  // Sends nobody will take: kept alive (they may still be read).
+  for (auto& p : sent_works_) bury(std::move(p));
+  sent_works_.clear();
+}
+
+}  // namespace gpipe::detail

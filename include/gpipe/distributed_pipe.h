@@ -1,0 +1,109 @@
+// distributed_pipe.h — gpipe::DistributedPipe, a Sequential trained as a pipeline over the ranks of a c10d process group.
+#pragma once
+
+#include <gpipe/options.h>
+
+#include <c10/core/Device.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace gpipe {
+
+namespace detail {
+class Engine;
+}  // namespace detail
+
+/// Options of a `DistributedPipe`.
+struct DistributedPipeOptions {
+  /// Options with `balance`, the rest at their defaults.
+  /* implicit */ DistributedPipeOptions(std::vector<int64_t> balance)
+      : balance_(std::move(balance)) {}
+  /// Layers per stage: R * virtual_stages entries for a group of R ranks,
+  /// summing to the Sequential's length; stage s runs on rank s mod R.
+  TORCH_ARG(std::vector<int64_t>, balance);
+  /// Micro-batches per mini-batch; a batch needs at least this many rows
+  /// (every rank runs this many).
+  TORCH_ARG(int64_t, chunks) = 1;
+  /// The plan of a step (see gpipe::Schedule).
+  TORCH_ARG(Schedule, schedule) = Schedule::OneFOneB;
+  /// Which micro-batches keep only their input and recompute before backward.
+  TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::ExceptLast;
+  /// Stages per rank (interleaved_1f1b); 1 otherwise.
+  TORCH_ARG(int64_t, virtual_stages) = 1;
+  /// The pipeline's ranks: a Gloo group (its world size 1 needs no
+  /// backend). C++ programs get it from their launcher or from Python
+  /// (`c10d::resolve_process_group(name)`): the pip wheel ships no Gloo
+  /// headers to create one with.
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, group);
+  /// This rank's stage replicas: grads averaged over it after each step;
+  /// null for none.
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, dp_group);
+  /// Where this rank's stages run.
+  TORCH_ARG(c10::Device, device) = c10::kCPU;
+};
+
+/// Runs a `torch::nn::Sequential` as a pipeline whose stages live on the
+/// ranks of a process group, one step at a time over every rank (the same
+/// engine and plans as `Pipe::train_step`; hand-offs by c10d isend/irecv).
+/// Rank r keeps the layers of its stages, under the Sequential's names, and
+/// drops the others.
+///
+/// Example:
+/// ```
+/// gpipe::DistributedPipe pipe(model, gpipe::DistributedPipeOptions({2, 2}).chunks(4)
+///                                        .group(group));
+/// auto loss = pipe->train_step(pipe->is_first() ? x : torch::Tensor(),
+///                              pipe->is_last() ? y : torch::Tensor(), torch::mse_loss);
+/// ```
+class DistributedPipeImpl : public torch::nn::Module {
+ public:
+  DistributedPipeImpl(torch::nn::Sequential sequential, DistributedPipeOptions options);
+  ~DistributedPipeImpl() override;
+
+  /// `loss_fn(output, target)` of one micro-batch: a scalar, mean-reduced
+  /// over its rows.
+  using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
+  /// One training step on every rank: `input` on the first stage's rank,
+  /// `target` on the last's (undefined elsewhere). Returns the batch's mean
+  /// loss (detached) on the last stage's rank, undefined elsewhere; grads
+  /// accumulate into this rank's parameters (averaged over `dp_group`).
+  torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
+                           const LossFn& loss_fn);
+  /// Pipelined inference (no grads kept): the output on the last stage's
+  /// rank, undefined elsewhere.
+  torch::Tensor eval_step(const torch::Tensor& input);
+
+  /// This rank's index in the group.
+  int64_t rank() const noexcept { return rank_; }
+  /// The indices of the stages this rank holds.
+  const std::vector<int64_t>& stages() const noexcept { return stages_; }
+  /// Whether this rank holds stage 0 (it takes the input).
+  bool is_first() const noexcept { return is_first_; }
+  /// Whether this rank holds the last stage (it takes the target).
+  bool is_last() const noexcept { return is_last_; }
+  /// The options it was built with.
+  const DistributedPipeOptions& options() const noexcept { return options_; }
+
+ private:
+  void average_grads();
+
+  DistributedPipeOptions options_;
+  int64_t rank_ = 0;
+  std::vector<int64_t> stages_;
+  bool is_first_ = false;
+  bool is_last_ = false;
+  std::shared_ptr<detail::Engine> engine_;
+};
+
+/// A `DistributedPipeImpl` held by shared pointer, as torch's module holders.
+TORCH_MODULE(DistributedPipe);
+
+}  // namespace gpipe

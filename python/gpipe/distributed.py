@@ -1,0 +1,228 @@
+"""The pipeline over processes: one rank per stage (or per v stages) of an nn.Sequential, over torch.distributed."""
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gpipe import _C
+from gpipe.pipe import (_as_int, _check_balance, _check_input, _parse_balance, _parse_checkpoint,
+                        _parse_chunks, _parse_schedule)
+from gpipe.skip.layout import has_skippables, skip_routes
+from gpipe.skip.skippable import verify_skippables
+from gpipe.skip.tracker import StageRunner
+
+__all__ = ["Pipe"]
+
+TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
+
+
+def _default_device(group: Any) -> torch.device:
+    del group  # the transport runs over Gloo (see ProcessGroupTransport); stages on CPU
+    return torch.device("cpu")
+
+
+class Pipe(nn.Module):
+    """Runs an ``nn.Sequential`` as a pipeline whose stages live on the ranks of a process group.
+
+    Every rank builds the same model (or at least the same ``nn.Sequential``
+    structure) and wraps it; rank r of ``group`` keeps the layers of the
+    stages it owns and drops the rest. With R ranks and ``virtual_stages``
+    v, ``balance`` has K = R * v entries (layers per stage) and stage s runs
+    on rank s mod R. ``parameters()`` and ``state_dict()`` hold this rank's
+    layers only, under the Sequential's names ("4.weight"), so the union of
+    all ranks' state dicts is the Sequential's.
+
+    A step runs the same schedules as :meth:`gpipe.Pipe.train_step`
+    ('gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1') through the same
+    executor; activations and grads travel between ranks by c10d
+    isend/irecv with a small header (shapes, dtypes, grad flags), so shapes
+    may change from step to step.
+
+    Args:
+        module: the ``nn.Sequential`` to split.
+        balance: layers per stage, R * virtual_stages entries.
+        chunks: micro-batches per mini-batch; a batch must have at least
+            ``chunks`` rows (every rank plans ``chunks`` micro-batches).
+        schedule: 'gpipe', '1f1b' (default), 'interleaved_1f1b' or 'zb_h1'.
+        checkpoint: 'always', 'except_last' (default) or 'never'.
+        virtual_stages: stages per rank (interleaved_1f1b), default 1.
+        group: the pipeline's process group (default: the world).
+        dp_group: the group of this rank's data-parallel replicas (same
+            stages on every member); grads are averaged over it after each
+            step. None: no data parallelism.
+        device: where this rank's stages run (default: CPU). The group must
+            be a Gloo group for now (NCCL is refused with a message saying
+            so); with a CUDA device, tensors travel through the host.
+
+    Attributes:
+        rank: this rank's index in ``group``.
+        stages: the global indices of the stages this rank owns.
+        is_first: whether this rank owns stage 0 (it takes the input).
+        is_last: whether this rank owns the last stage (it takes the target
+            and gets the loss and outputs).
+
+    Example::
+
+        dist.init_process_group()          # torchrun's environment
+        pipe = gpipe.distributed.Pipe(model, balance=[2, 2, 2, 2], chunks=8)
+        loss = pipe.train_step(x if pipe.is_first else None,
+                               target=y if pipe.is_last else None,
+                               loss_fn=nn.functional.mse_loss)
+    """
+
+    def __init__(self, module: nn.Sequential, balance: Any, *, chunks: int = 1,
+                 schedule: str = "1f1b", checkpoint: str = "except_last",
+                 virtual_stages: int = 1, group: Optional[Any] = None,
+                 dp_group: Optional[Any] = None, device: Optional[Any] = None) -> None:
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("gpipe.distributed.Pipe needs an initialised process group; call "
+                               "torch.distributed.init_process_group() first (torchrun sets "
+                               "its environment), or use gpipe.Pipe within one process")
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(f"module must be nn.Sequential to be partitioned, got "
+                            f"{type(module).__name__}")
+        self.chunks = _parse_chunks(chunks)
+        self.schedule = _parse_schedule(schedule)
+        self.checkpoint = _parse_checkpoint(checkpoint)
+        self.virtual_stages = _as_int(virtual_stages, "virtual_stages",
+                                      "pass the number of stages per rank, e.g. 2")
+        if self.virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be at least 1, got {self.virtual_stages}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.dp_group = dp_group
+        ranks = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        balance = _parse_balance(balance)
+        stages = ranks * self.virtual_stages
+        if len(balance) != stages:
+            raise ValueError(
+                f"balance has {len(balance)} stages but the group has {ranks} ranks x "
+                f"virtual_stages {self.virtual_stages} = {stages} stages; pass {stages} entries "
+                f"(layers per stage; stage s runs on rank s % {ranks})")
+        _check_balance(module, balance)
+        verify_skippables(module)
+        self.balance = balance
+        self.device = torch.device(device) if device is not None else _default_device(self.group)
+        self.stages: List[int] = [s for s in range(stages) if s % ranks == self.rank]
+        self.is_first = 0 in self.stages
+        self.is_last = stages - 1 in self.stages
+
+        # Keep this rank's layers under their names in the Sequential.
+        starts = [sum(balance[:s]) for s in range(stages)]
+        names = list(module._modules.keys())
+        layers = list(module)
+        parts: List[Any] = []
+        for s in self.stages:
+            part = []
+            for k in range(starts[s], starts[s] + balance[s]):
+                layer = layers[k].to(self.device)
+                self.add_module(names[k], layer)
+                part.append(layer)
+            parts.append(part)
+        routes = []
+        if has_skippables(module):
+            # Skips across stages travel between ranks like activations: every
+            # rank sees the whole model's routes; its runners take and give
+            # those of its stages.
+            routes = skip_routes([layers[starts[s]:starts[s] + balance[s]]
+                                  for s in range(stages)])
+            for j, s in enumerate(self.stages):
+                parts[j] = StageRunner(parts[j],
+                                       incoming=[r.key for r in routes if r.pop_stage == s],
+                                       outgoing=[r.key for r in routes if r.stash_stage == s],
+                                       stage=s, first_layer_index=starts[s])
+        self._engine = _C.Engine(parts, [self.device] * len(parts), self.chunks, self.checkpoint,
+                                 intra_op_threads=-1, virtual_stages=self.virtual_stages,
+                                 schedule=self.schedule,
+                                 skip_routes=[(r.stash_stage, r.pop_stage) for r in routes],
+                                 group=self.group.group_name)
+
+    def _check_step(self, input: Optional[TensorOrTensors], what: str) -> None:
+        if self.is_first:
+            if input is None:
+                raise ValueError(f"rank {self.rank} holds stage 0, so {what} needs the input "
+                                 f"here: pass {what}(x if pipe.is_first else None, ...)")
+            _check_input(input)
+
+    def train_step(self, input: Optional[TensorOrTensors] = None,
+                   target: Optional[TensorOrTensors] = None, *,
+                   loss_fn: Callable[[TensorOrTensors, TensorOrTensors], Tensor]
+                   ) -> Optional[Tensor]:
+        """One training step over every rank: forward, ``loss_fn(output,
+        target)`` per micro-batch on the last stage (scaled by its share of
+        the rows) and backward, in the schedule's order, as
+        :meth:`gpipe.Pipe.train_step`. Every rank of the group calls it;
+        ``input`` matters only on the first rank, ``target`` only on the last
+        (pass None elsewhere). Returns the batch's mean loss (detached) on
+        the last rank, None on the others. Grads accumulate into this rank's
+        parameters' ``.grad``; with ``dp_group`` they are then averaged over
+        the replicas.
+
+        A failure on any rank fails the step on every rank, each naming the
+        rank where it started; the pipe then refuses further steps (the
+        group's point-to-point state is undefined after it): recreate the
+        process group and the pipe.
+        """
+        try:
+            if not callable(loss_fn):
+                raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got "
+                                f"{loss_fn!r}")
+            self._check_step(input, "train_step")
+            if self.is_last:
+                if target is None:
+                    raise ValueError(f"rank {self.rank} holds the last stage, so train_step "
+                                     f"needs the target here: pass target=y if pipe.is_last "
+                                     f"else None")
+                _check_input(target, "target")
+        except Exception as e:
+            # The other ranks are in the step already: they fail too, naming this rank.
+            self._engine.abandon_step(f"{type(e).__name__}: {e}", True)
+            raise
+        loss = self._engine.train_step(input if self.is_first else None,
+                                       target if self.is_last else None, loss_fn, self.training)
+        if self.dp_group is not None:
+            self._average_grads()
+        return loss if self.is_last else None
+
+    @torch.no_grad()
+    def eval_step(self, input: Optional[TensorOrTensors] = None) -> Optional[TensorOrTensors]:
+        """Pipelined inference: ``input`` (first rank only) through every
+        stage, micro-batch by micro-batch, without grads or checkpoints.
+        Returns the gathered output on the last rank, None elsewhere."""
+        try:
+            self._check_step(input, "eval_step")
+        except Exception as e:
+            self._engine.abandon_step(f"{type(e).__name__}: {e}", False)
+            raise
+        out = self._engine.eval_step(input if self.is_first else None)
+        return out if self.is_last else None
+
+    def _average_grads(self) -> None:
+        # One all_reduce per dtype and device: the stage's grads flattened.
+        buckets: Dict[Tuple[torch.dtype, torch.device], List[Tensor]] = {}
+        for p in self.parameters():
+            if p.grad is not None:
+                buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+        replicas = dist.get_world_size(self.dp_group)
+        for grads in buckets.values():
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.dp_group)
+            flat.div_(replicas)
+            for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(avg)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Refused: a pipeline over ranks runs whole steps on every rank
+        (:meth:`train_step`, :meth:`eval_step`)."""
+        raise RuntimeError("gpipe.distributed.Pipe runs whole steps over all ranks: call "
+                           "train_step(...) or eval_step(...) on every rank")
+
+    def extra_repr(self) -> str:
+        text = (f"rank={self.rank}, stages={self.stages}, balance={self.balance}, "
+                f"chunks={self.chunks}, schedule={self.schedule!r}, "
+                f"checkpoint={self.checkpoint!r}")
+        if self.virtual_stages != 1:
+            text += f", virtual_stages={self.virtual_stages}"
+        return text

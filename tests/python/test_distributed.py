@@ -1,0 +1,444 @@
+"""gpipe.distributed.Pipe: 4 Gloo processes on localhost against the plain Sequential (float64, 1e-10).
+
+The test spawns this file as 4 worker processes (``python test_distributed.py
+SCENARIO`` with torch.distributed's environment); each worker checks its own
+stages' grads against the plain model it also builds and prints one RESULT
+line per check. Spawning costs seconds (each process imports torch), so one
+spawn serves every check of a scenario.
+"""
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from torch import nn
+
+WORLD = 4
+# What a spawn may take: 4 processes importing torch on 2 busy cores, then
+# the steps.
+SPAWN_DEADLINE = 150
+# From the failing layer's raise to every rank's error.
+FAILURE_DEADLINE = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(scenario: str, world: int = WORLD) -> dict:
+    """Runs ``scenario`` on ``world`` processes; returns {rank: [result, ...]}."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env["PYTHONPATH"] = os.pathsep.join(sys.path)
+        procs.append(subprocess.Popen([sys.executable, __file__, scenario], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + SPAWN_DEADLINE
+    outputs = []
+    hung = []
+    for rank, p in enumerate(procs):
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            hung.append(rank)
+        outputs.append(out)
+    logs = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n{o}"
+                     for r, (p, o) in enumerate(zip(procs, outputs)))
+    assert not hung, f"ranks {hung} did not finish within {SPAWN_DEADLINE} s (killed):\n{logs}"
+    results = {}
+    for rank, out in enumerate(outputs):
+        results[rank] = [json.loads(line[len("RESULT "):]) for line in out.splitlines()
+                         if line.startswith("RESULT ")]
+    return {"results": results, "logs": logs,
+            "codes": [p.returncode for p in procs]}
+
+
+# ---- the workers ---------------------------------------------------------------------------
+
+from gpipe.skip import Namespace, pop, skippable, stash  # noqa: E402
+
+
+@skippable(stash=["skip"])
+class _Save(nn.Module):
+    def forward(self, x):
+        yield stash("skip", x)
+        return x
+
+
+@skippable(pop=["skip"])
+class _Add(nn.Module):
+    def forward(self, x):
+        return x + (yield pop("skip"))
+
+
+def _with_skips() -> nn.Sequential:
+    """8 layers, two skips: 0 -> 7 and 3 -> 5 (across ranks under [2, 2, 2, 2] and [1] * 8)."""
+    torch.manual_seed(0)
+    a, b = Namespace(), Namespace()
+    return nn.Sequential(_Save().isolate(a), nn.Linear(6, 6), nn.Tanh(), _Save().isolate(b),
+                         nn.Linear(6, 6), _Add().isolate(b), nn.Tanh(),
+                         _Add().isolate(a)).double()
+
+
+
+def _report(**fields) -> None:
+    print("RESULT " + json.dumps(fields), flush=True)
+
+
+def _mlp(layers: int, width: int = 6) -> nn.Sequential:
+    torch.manual_seed(0)
+    mods = []
+    for k in range(layers):
+        mods.append(nn.Linear(width, width) if k % 2 == 0 else nn.Tanh())
+    return nn.Sequential(*mods).double()
+
+
+def _max_grad_error(pipe, reference: nn.Sequential) -> float:
+    ref = dict(reference.named_parameters())
+    worst = 0.0
+    for name, p in pipe.named_parameters():
+        assert p.grad is not None, f"{name} got no grad"
+        worst = max(worst, (p.grad - ref[name].grad).abs().max().item())
+    return worst
+
+
+def _check_step(name: str, model: nn.Sequential, pipe, x, y, single=None) -> None:
+    """Runs a train step per pair (x, y lists, or one pair) on the pipe and on the plain model
+    (and, when given, on ``single``: the same model in a single-process gpipe.Pipe) and reports
+    the worst errors."""
+    reference = copy.deepcopy(model)
+    pairs = list(zip(x, y)) if isinstance(x, list) else [(x, y)]
+    worst = 0.0
+    loss_error = 0.0
+    for xs, ys in pairs:
+        for p in list(pipe.parameters()) + list(reference.parameters()):
+            p.grad = None
+        loss = pipe.train_step(xs if pipe.is_first else None, target=ys if pipe.is_last else None,
+                               loss_fn=nn.functional.mse_loss)
+        expected = nn.functional.mse_loss(reference(xs), ys)
+        expected.backward()
+        worst = max(worst, _max_grad_error(pipe, reference))
+        if single is not None:
+            for p in single.parameters():
+                p.grad = None
+            single.train_step(xs, ys, nn.functional.mse_loss)
+            worst = max(worst, _max_grad_error(pipe, single))
+        if pipe.is_last:
+            loss_error = max(loss_error, (loss - expected.detach()).abs().item())
+        else:
+            assert loss is None
+    _report(check=name, grad_error=worst, loss_error=loss_error,
+            params=[n for n, _ in pipe.named_parameters()], stages=pipe.stages)
+
+
+def _worker_train() -> None:
+    import torch.distributed as dist
+
+    import gpipe.distributed
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    torch.manual_seed(1)
+    x = torch.randn(12, 6, dtype=torch.double)
+    y = torch.randn(12, 6, dtype=torch.double)
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)):
+        layers = 8 * v
+        model = _mlp(layers)
+        single = gpipe.Pipe(copy.deepcopy(model), [2] * (WORLD * v), chunks=4,
+                            schedule=schedule, virtual_stages=v, devices=["cpu"] * WORLD)
+        pipe = gpipe.distributed.Pipe(model, [2] * (WORLD * v),
+                                      chunks=4, schedule=schedule, virtual_stages=v)
+        _check_step(schedule, model, pipe, x, y, single)
+
+    # Skips between ranks: straight from the stashing stage's rank to the popping one's.
+    for schedule, v in (("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)):
+        model = _with_skips()
+        pipe = gpipe.distributed.Pipe(model, [2] * WORLD if v == 1 else [1] * (WORLD * v),
+                                      chunks=4, schedule=schedule, virtual_stages=v)
+        _check_step(f"skips-{schedule}", model, pipe, x, y)
+
+    # Shapes change between steps: a sequence length of 3, then 5.
+    model = _mlp(8)
+    pipe = gpipe.distributed.Pipe(model, [2, 2, 2, 2], chunks=4, schedule="1f1b")
+    xs = [torch.randn(8, n, 6, dtype=torch.double) for n in (3, 5)]
+    ys = [torch.randn(8, n, 6, dtype=torch.double) for n in (3, 5)]
+    _check_step("shapes", model, pipe, xs, ys)
+
+    # Pipelined inference on the last rank.
+    out = pipe.eval_step(x if pipe.is_first else None)
+    if pipe.is_last:
+        with torch.no_grad():
+            _report(check="eval", error=(out - model(x)).abs().max().item())
+    else:
+        _report(check="eval", error=0.0 if out is None else 1.0)
+
+    dist.destroy_process_group()
+
+
+def _worker_dp() -> None:
+    import torch.distributed as dist
+
+    import gpipe.distributed
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    # 2 pipelines (ranks 0-1 and 2-3) of 2 stages; stage replicas 0-2 and 1-3.
+    pipes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pp, dp = pipes[rank // 2], replicas[rank % 2]
+    torch.manual_seed(1)
+    x = torch.randn(12, 6, dtype=torch.double)
+    y = torch.randn(12, 6, dtype=torch.double)
+    model = _mlp(4)
+    reference = copy.deepcopy(model)
+    pipe = gpipe.distributed.Pipe(model, [2, 2], chunks=3, group=pp, dp_group=dp)
+    half = slice(0, 6) if rank < 2 else slice(6, 12)
+    pipe.train_step(x[half] if pipe.is_first else None, target=y[half] if pipe.is_last else None,
+                    loss_fn=nn.functional.mse_loss)
+    nn.functional.mse_loss(reference(x), y).backward()
+    _report(check="pp_x_dp", grad_error=_max_grad_error(pipe, reference), stages=pipe.stages)
+    dist.destroy_process_group()
+
+
+def _worker_errors() -> None:
+    import torch.distributed as dist
+
+    import gpipe.distributed
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    x = torch.randn(8, 6, dtype=torch.double)
+    errors = {}
+    try:
+        gpipe.distributed.Pipe(_mlp(8), [4, 4])
+    except ValueError as e:
+        errors["balance"] = str(e)
+    # One rank's bad argument fails the step on every rank. Each case on a
+    # group of its own: a failed step leaves its group's hand-offs unusable.
+    cases = {"input": (None if rank == 0 else x, x),
+             "target": (x, None if rank == 3 else x),
+             "rows": (x[:3] if rank == 0 else x, x)}
+    for what, (xs, ys) in cases.items():
+        pipe = gpipe.distributed.Pipe(_mlp(8), [2, 2, 2, 2], chunks=4, group=dist.new_group())
+        try:
+            pipe.train_step(xs if pipe.is_first else None, target=ys if pipe.is_last else None,
+                            loss_fn=nn.functional.mse_loss)
+            errors[what] = None
+        except Exception as e:
+            errors[what] = f"{type(e).__name__}: {e}"
+    _report(check="errors", errors=errors)
+
+
+class _Raises(nn.Module):
+    """Raises in the forward of its second call (micro-batch 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            _report(check="raised", at=time.time())
+            raise ValueError("layer 4 refuses micro-batch 1")
+        return x
+
+
+class _Dies(nn.Module):
+    """Kills its process in the forward of its second call (micro-batch 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            _report(check="died", at=time.time())
+            os._exit(3)
+        return x
+
+
+def _worker_fail() -> None:
+    import torch.distributed as dist
+
+    import gpipe.distributed
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    model = _mlp(8)
+    model[4] = _Raises()
+    pipe = gpipe.distributed.Pipe(model, [2, 2, 2, 2], chunks=4, schedule="1f1b")
+    x = torch.randn(8, 6, dtype=torch.double)
+    try:
+        pipe.train_step(x if pipe.is_first else None, target=x if pipe.is_last else None,
+                        loss_fn=nn.functional.mse_loss)
+        _report(check="failure", error=None, at=time.time())
+    except Exception as e:
+        _report(check="failure", error=f"{type(e).__name__}: {e}", at=time.time())
+    try:
+        pipe.train_step(x if pipe.is_first else None, target=x if pipe.is_last else None,
+                        loss_fn=nn.functional.mse_loss)
+        _report(check="after", error=None)
+    except Exception as e:
+        _report(check="after", error=f"{type(e).__name__}: {e}")
+
+    # Rank 2's process dies in its layer: the others lose it (a fresh group:
+    # the failed step's is unusable).
+    model = _mlp(8)
+    model[4] = _Dies()
+    pipe = gpipe.distributed.Pipe(model, [2, 2, 2, 2], chunks=4, schedule="1f1b",
+                                  group=dist.new_group())
+    try:
+        pipe.train_step(x if pipe.is_first else None, target=x if pipe.is_last else None,
+                        loss_fn=nn.functional.mse_loss)
+        _report(check="killed", error=None, at=time.time())
+    except Exception as e:
+        _report(check="killed", error=f"{type(e).__name__}: {e}", at=time.time())
+
+
+# ---- the tests -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def train():
+    return _spawn("train")
+
+
+def _results(run, check):
+    found = {r: [x for x in results if x["check"] == check]
+             for r, results in run["results"].items()}
+    missing = [r for r, x in found.items() if len(x) != 1]
+    assert not missing, f"ranks {missing} did not report {check!r}:\n{run['logs']}"
+    return {r: x[0] for r, x in found.items()}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
+def test_grads_equal_sequential(train, schedule):
+    results = _results(train, schedule)
+    for rank, r in results.items():
+        assert r["grad_error"] <= 1e-10, (rank, r)
+        assert r["loss_error"] <= 1e-10, (rank, r)
+    # Every parameter on exactly one rank, under the Sequential's names.
+    names = sorted(n for r in results.values() for n in r["params"])
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    assert names == sorted(n for n, _ in _mlp(8 * v).named_parameters())
+    if v == 2:
+        assert [results[r]["stages"] for r in range(WORLD)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "interleaved_1f1b"])
+def test_skips_between_ranks(train, schedule):
+    results = _results(train, f"skips-{schedule}")
+    for rank, r in results.items():
+        assert r["grad_error"] <= 1e-10, (rank, r)
+        assert r["loss_error"] <= 1e-10, (rank, r)
+    names = sorted(n for r in results.values() for n in r["params"])
+    assert names == sorted(n for n, _ in _with_skips().named_parameters())
+
+
+def test_shapes_change_between_steps(train):
+    for rank, r in _results(train, "shapes").items():
+        assert r["grad_error"] <= 1e-10, (rank, r)
+        assert r["loss_error"] <= 1e-10, (rank, r)
+
+
+def test_eval_step(train):
+    for rank, r in _results(train, "eval").items():
+        assert r["error"] <= 1e-10, (rank, r)
+    assert train["codes"] == [0] * WORLD, train["logs"]
+
+
+def test_errors_name_value_and_fix():
+    run = _spawn("errors")
+    expected = {
+        "input": (0, "ValueError: rank 0 holds stage 0, so train_step needs the input here: "
+                     "pass train_step(x if pipe.is_first else None, ...)"),
+        "target": (3, "ValueError: rank 3 holds the last stage, so train_step needs the target "
+                      "here: pass target=y if pipe.is_last else None"),
+        "rows": (0, "ValueError: the input makes 3 micro-batches but every rank of the pipeline "
+                    "runs chunks=4; give at least 4 rows"),
+    }
+    for rank, r in _results(run, "errors").items():
+        errors = r["errors"]
+        assert errors["balance"] == (
+            "balance has 2 stages but the group has 4 ranks x virtual_stages 1 = 4 stages; pass "
+            "4 entries (layers per stage; stage s runs on rank s % 4)"), errors
+        for what, (culprit, message) in expected.items():
+            if rank == culprit:
+                assert errors[what] == message, (what, errors)
+            else:
+                # The others fail too (no hang), naming the culprit and its error.
+                assert errors[what].startswith(f"RuntimeError: gpipe: stage {rank}, micro-batch "
+                                               f"0, "), (what, errors)
+                assert f"rank {culprit} failed" in errors[what], (what, errors)
+                assert message.split(": ", 1)[1] in errors[what], (what, errors)
+    assert run["codes"] == [0] * WORLD, run["logs"]
+
+
+def test_pipeline_times_data_parallel():
+    run = _spawn("dp")
+    for rank, r in _results(run, "pp_x_dp").items():
+        assert r["grad_error"] <= 1e-10, (rank, r)
+    assert run["codes"] == [0] * WORLD, run["logs"]
+
+
+def test_failing_rank_stops_every_rank():
+    run = _spawn("fail")
+    raised = _results({"results": {2: run["results"][2]}, "logs": run["logs"]}, "raised")[2]
+    failures = _results(run, "failure")
+    for rank, r in failures.items():
+        assert r["error"] is not None, (rank, run["logs"])
+        assert r["at"] - raised["at"] <= FAILURE_DEADLINE, (rank, r, raised)
+        if rank == 2:
+            assert r["error"].startswith("ValueError: layer 4 refuses micro-batch 1"), r
+        else:
+            assert "rank 2 failed" in r["error"] and "layer 4 refuses" in r["error"], r
+    for rank, r in _results(run, "after").items():
+        assert r["error"] is not None, (rank, r)
+        assert "a previous step over this process group failed" in r["error"], (rank, r)
+    # A rank killed: the others name it.
+    died = _results({"results": {2: run["results"][2]}, "logs": run["logs"]}, "died")[2]
+    killed = _results({"results": {r: run["results"][r] for r in (0, 1, 3)},
+                       "logs": run["logs"]}, "killed")
+    for rank, r in killed.items():
+        assert r["error"] is not None and "rank 2" in r["error"], (rank, r)
+        assert r["at"] - died["at"] <= FAILURE_DEADLINE, (rank, r, died)
+    assert run["codes"][2] == 3 and [run["codes"][r] for r in (0, 1, 3)] == [0] * 3, run["logs"]
+
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
+                       "examples", "train_distributed.py")
+
+
+def test_example_under_torchrun():
+    """README's command: torchrun --nproc-per-node 4 examples/train_distributed.py."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           str(WORLD), "--master-port", str(_free_port()), EXAMPLE],
+                          env=env, capture_output=True, text=True, timeout=SPAWN_DEADLINE)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert out.count(": OK") == WORLD, out
+    assert "step 4: loss" in out, out
+
+
+def test_errors_without_a_group():
+    import gpipe.distributed
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        gpipe.distributed.Pipe(_mlp(4), [2, 2])
+
+
+if __name__ == "__main__":
+    {"train": _worker_train, "dp": _worker_dp, "fail": _worker_fail,
+     "errors": _worker_errors}[sys.argv[1]]()
