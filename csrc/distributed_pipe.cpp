@@ -41,20 +41,6 @@ class ChainLayers : public detail::Layers {
   std::vector<torch::nn::AnyModule> modules_;
 };
 
-detail::PlanKind kind_of(Schedule schedule) {
-  switch (schedule) {
-    case Schedule::GPipe:
-      return detail::PlanKind::GPipe;
-    case Schedule::OneFOneB:
-      return detail::PlanKind::OneFOneB;
-    case Schedule::Interleaved1F1B:
-      return detail::PlanKind::Interleaved1F1B;
-    case Schedule::ZBH1:
-      return detail::PlanKind::ZBH1;
-  }
-  return detail::PlanKind::OneFOneB;
-}
-
 }  // namespace
 
 DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
@@ -105,7 +91,7 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
   engine_ = std::make_shared<detail::Engine>(
       std::move(parts), std::vector<c10::Device>(static_cast<size_t>(v), options_.device()),
       options_.chunks(), options_.checkpoint(), /*intra_op_threads=*/-1, v,
-      kind_of(options_.schedule()), group);
+      detail::plan_kind(options_.schedule()), group);
 }
 
 DistributedPipeImpl::~DistributedPipeImpl() = default;

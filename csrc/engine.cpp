@@ -118,6 +118,20 @@ void send_skips(Transport& transport, Flow flow, const std::vector<int64_t>& rou
   batch.values.resize(first);
 }
 
+PlanKind plan_kind(gpipe::Schedule schedule) {
+  switch (schedule) {
+    case gpipe::Schedule::GPipe:
+      return PlanKind::GPipe;
+    case gpipe::Schedule::OneFOneB:
+      return PlanKind::OneFOneB;
+    case gpipe::Schedule::Interleaved1F1B:
+      return PlanKind::Interleaved1F1B;
+    case gpipe::Schedule::ZBH1:
+      return PlanKind::ZBH1;
+  }
+  return PlanKind::GPipe;
+}
+
 std::vector<int> intra_op_split(const std::vector<c10::Device>& devices, int64_t option,
                                 int available) {
   GPIPE_CHECK_VALUE(option >= -1, "intra_op_threads is ", option,

@@ -108,6 +108,9 @@ void send_skips(Transport& transport, Flow flow, const std::vector<int64_t>& rou
 std::vector<int> intra_op_split(const std::vector<c10::Device>& devices, int64_t option,
                                 int available);
 
+/// The plan kind a public gpipe::Schedule names.
+PlanKind plan_kind(gpipe::Schedule schedule);
+
 /// train_step's loss: one micro-batch's output and target in, a scalar
 /// (mean-reduced over the micro-batch's rows) out.
 using LossFn = std::function<at::Tensor(const Batch& output, const Batch& target)>;

@@ -120,20 +120,6 @@ std::vector<c10::Device> default_devices(size_t stages) {
   return std::vector<c10::Device>(stages, c10::Device(c10::kCPU));
 }
 
-detail::PlanKind plan_kind(Schedule schedule) {
-  switch (schedule) {
-    case Schedule::GPipe:
-      return detail::PlanKind::GPipe;
-    case Schedule::OneFOneB:
-      return detail::PlanKind::OneFOneB;
-    case Schedule::Interleaved1F1B:
-      return detail::PlanKind::Interleaved1F1B;
-    case Schedule::ZBH1:
-      return detail::PlanKind::ZBH1;
-  }
-  return detail::PlanKind::GPipe;
-}
-
 }  // namespace
 
 PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
@@ -278,7 +264,7 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
   }
   engine_ = std::make_shared<detail::Engine>(std::move(parts), stage_devices, options_.chunks(),
                                              options_.checkpoint(), options_.intra_op_threads(),
-                                             v, plan_kind(options_.schedule()));
+                                             v, detail::plan_kind(options_.schedule()));
   engine_->set_batch_dims(options_.batch_dim(), options_.output_batch_dim());
   engine_->set_skip_routes(std::move(routes));
   engine_->tracer().set_capacity(options_.trace_capacity());

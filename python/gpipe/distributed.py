@@ -8,9 +8,8 @@ from torch import Tensor, nn
 from gpipe import _C
 from gpipe.pipe import (_as_int, _check_balance, _check_input, _parse_balance, _parse_checkpoint,
                         _parse_chunks, _parse_schedule)
-from gpipe.skip.layout import has_skippables, skip_routes
+from gpipe.skip.layout import stage_runners
 from gpipe.skip.skippable import verify_skippables
-from gpipe.skip.tracker import StageRunner
 
 __all__ = ["Pipe"]
 
@@ -121,22 +120,15 @@ class Pipe(nn.Module):
                 self.add_module(names[k], layer)
                 part.append(layer)
             parts.append(part)
-        routes = []
-        if has_skippables(module):
-            # Skips across stages travel between ranks like activations: every
-            # rank sees the whole model's routes; its runners take and give
-            # those of its stages.
-            routes = skip_routes([layers[starts[s]:starts[s] + balance[s]]
-                                  for s in range(stages)])
-            for j, s in enumerate(self.stages):
-                parts[j] = StageRunner(parts[j],
-                                       incoming=[r.key for r in routes if r.pop_stage == s],
-                                       outgoing=[r.key for r in routes if r.stash_stage == s],
-                                       stage=s, first_layer_index=starts[s])
+        # Skips across stages travel between ranks like activations: every
+        # rank sees the whole model's routes; its runners take and give those
+        # of its stages.
+        parts, routes = stage_runners(
+            [layers[starts[s]:starts[s] + balance[s]] for s in range(stages)], parts, self.stages)
         self._engine = _C.Engine(parts, [self.device] * len(parts), self.chunks, self.checkpoint,
                                  intra_op_threads=-1, virtual_stages=self.virtual_stages,
                                  schedule=self.schedule,
-                                 skip_routes=[(r.stash_stage, r.pop_stage) for r in routes],
+                                 skip_routes=routes,
                                  group=self.group.group_name)
 
     def _check_step(self, input: Optional[TensorOrTensors], what: str) -> None:

@@ -11,9 +11,8 @@ from torch import Tensor, nn
 from gpipe import _C
 from gpipe.balance import balance_by_params
 from gpipe.batchnorm import DeferredBatchNorm, _deferred_copy
-from gpipe.skip.layout import has_skippables, skip_routes
+from gpipe.skip.layout import stage_runners
 from gpipe.skip.skippable import verify_skippables
-from gpipe.skip.tracker import StageRunner
 
 __all__ = ["Pipe", "GPipe", "is_checkpointing", "is_recomputing"]
 
@@ -602,23 +601,12 @@ class Pipe(nn.Module):
         # Pipes pickled before train_step existed have neither attribute.
         self.__dict__.setdefault("schedule", "1f1b")
         self.__dict__.setdefault("virtual_stages", 1)
-        routes = []
-        if has_skippables(layers):
-            # Each stage runs through a runner that takes the skips arriving
-            # there and gives those leaving, in route order (the engine sends
-            # them straight from stage to stage).
-            routes = skip_routes(layers)
-            first = 0
-            for j, n in enumerate(self.balance):
-                parts[j] = StageRunner(parts[j],
-                                       incoming=[r.key for r in routes if r.pop_stage == j],
-                                       outgoing=[r.key for r in routes if r.stash_stage == j],
-                                       stage=j, first_layer_index=first)
-                first += n
+        # With skips, each stage runs through a runner handing them on (skip/layout.py).
+        parts, routes = stage_runners(layers, parts)
         self._engine = (_C.Engine(parts, self._per_stage_devices(), self.chunks,
                                   self.checkpoint, intra_op_threads=self.intra_op_threads,
                                   virtual_stages=self.virtual_stages, schedule=self.schedule,
-                                  skip_routes=[(r.stash_stage, r.pop_stage) for r in routes])
+                                  skip_routes=routes)
                         if parts else _NoStages())
         self._engine.set_batch_dims(*self._batch_dims)
         self._engine.tracing = bool(trace)

@@ -1,12 +1,13 @@
 """Which skips cross stage boundaries, given how a model is cut into stages."""
-from typing import Dict, Iterable, List, NamedTuple, Tuple, Union
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
 from gpipe.skip.namespace import Namespace
 from gpipe.skip.skippable import Skippable
+from gpipe.skip.tracker import StageRunner
 
-__all__ = ["Route", "skip_routes", "has_skippables"]
+__all__ = ["Route", "skip_routes", "has_skippables", "stage_runners"]
 
 
 class Route(NamedTuple):
@@ -66,3 +67,29 @@ def has_skippables(module_or_partitions: Union[nn.Module, Iterable[Iterable[nn.M
             isinstance(layer, Skippable) for layer in module_or_partitions.children())
     return any(isinstance(layer, Skippable)
                for layers in module_or_partitions for layer in layers)
+
+
+def stage_runners(partitions: Sequence[Sequence[nn.Module]], parts: Sequence[Any],
+                  owned: Optional[Sequence[int]] = None
+                  ) -> Tuple[List[Any], List[Tuple[int, int]]]:
+    """What the engine runs for the stages ``owned`` (all of ``partitions`` by
+    default), given ``parts``, one per owned stage (its layers, or a compiled
+    module in a list), and the skip routes as (stashing stage, popping stage)
+    pairs. Without skippable layers the parts are returned as they are and
+    there are no routes; with them, each part runs through a
+    :class:`~gpipe.skip.tracker.StageRunner` taking the skips arriving at its
+    stage and giving those leaving, in route order (the engine sends them
+    straight from stage to stage, also between ranks)."""
+    if owned is None:
+        owned = range(len(partitions))
+    if not has_skippables(partitions):
+        return list(parts), []
+    routes = skip_routes(partitions)
+    starts = [0]
+    for stage in partitions:
+        starts.append(starts[-1] + len(stage))
+    runners = [StageRunner(part, incoming=[r.key for r in routes if r.pop_stage == s],
+                           outgoing=[r.key for r in routes if r.stash_stage == s],
+                           stage=s, first_layer_index=starts[s])
+               for part, s in zip(parts, owned)]
+    return runners, [(r.stash_stage, r.pop_stage) for r in routes]
