@@ -91,7 +91,8 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
   engine_ = std::make_shared<detail::Engine>(
       std::move(parts), std::vector<c10::Device>(static_cast<size_t>(v), options_.device()),
       options_.chunks(), options_.checkpoint(), /*intra_op_threads=*/-1, v,
-      detail::plan_kind(options_.schedule()), group);
+      detail::plan_kind(options_.schedule()),
+      detail::Groups{group, options_.reverse_group(), /*data=*/{}});
 }
 
 DistributedPipeImpl::~DistributedPipeImpl() = default;

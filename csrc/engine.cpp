@@ -174,7 +174,7 @@ std::vector<c10::Device> worker_devices(const std::vector<c10::Device>& devices,
 Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c10::Device>& devices,
                int64_t chunks, Checkpoint checkpoint, int64_t intra_op_threads,
                int64_t virtual_stages, PlanKind plan,
-               c10::intrusive_ptr<c10d::ProcessGroup> group)
+               Groups groups)
     : all_stages_(static_cast<int64_t>(layers.size())),
       intra_op_threads_(intra_op_split(worker_devices(devices, layers.size(), virtual_stages),
                                        intra_op_threads, at::get_num_threads())),
@@ -184,12 +184,14 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
       virtual_stages_(virtual_stages),
       plan_kind_(plan) {
   TORCH_INTERNAL_ASSERT(devices.size() >= layers.size());
-  if (group) {
+  if (groups.pipeline) {
     TORCH_CHECK(static_cast<int64_t>(layers.size()) == virtual_stages, "gpipe: a rank holds ",
                 virtual_stages, " stages (virtual_stages) but got ", layers.size());
-    all_stages_ = virtual_stages * group->getSize();
-    transport_ = std::make_unique<ProcessGroupTransport>(std::move(group), all_stages_);
+    all_stages_ = virtual_stages * groups.pipeline->getSize();
+    transport_ = std::make_unique<ProcessGroupTransport>(groups.pipeline, groups.reverse,
+                                                         all_stages_);
   }
+  data_group_ = std::move(groups.data);
   for (size_t j = 0; j < layers.size(); ++j) {
     // Stages are named by their index in the whole pipeline.
     const auto index = transport_ ? transport_->rank() + static_cast<int64_t>(j) * transport_->ranks()

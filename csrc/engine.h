@@ -115,6 +115,20 @@ PlanKind plan_kind(gpipe::Schedule schedule);
 /// (mean-reduced over the micro-batch's rows) out.
 using LossFn = std::function<at::Tensor(const Batch& output, const Batch& target)>;
 
+/// The process groups of a pipeline over ranks (all null: in-process).
+struct Groups {
+  /// The pipeline's ranks: stage s on rank s mod size.
+  c10::intrusive_ptr<c10d::ProcessGroup> pipeline;
+  /// The same ranks again, for hand-offs to a lower rank (grads, and
+  /// interleaved activations wrapping around) where the backend runs a
+  /// pair's sends and receives on one ordered queue (NCCL): hand-offs both
+  /// ways on one group could then wait on each other. Null: `pipeline`.
+  c10::intrusive_ptr<c10d::ProcessGroup> reverse;
+  /// This rank's data-parallel replicas (the same stages on every member):
+  /// grads are averaged over it; null for none.
+  c10::intrusive_ptr<c10d::ProcessGroup> data;
+};
+
 class Engine : public std::enable_shared_from_this<Engine> {
  public:
   /// `layers[s]` and `devices[s]` for stage s; stage s runs on worker
@@ -122,7 +136,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// the calling thread's at::get_num_threads() is what 0 splits between the
   /// CPU workers. `plan`: the schedule train_step runs.
   ///
-  /// With a process `group` of R ranks the pipeline spans the group: this
+  /// With a pipeline group (`groups.pipeline`) of R ranks the pipeline spans the group: this
   /// rank (r) holds only its `virtual_stages` stages, stages r, r + R, ...
   /// of R * virtual_stages, in `layers` in that order, runs them on one
   /// worker, and hands batches to the other ranks over the group
@@ -130,7 +144,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c10::Device>& devices,
          int64_t chunks, Checkpoint checkpoint, int64_t intra_op_threads = 0,
          int64_t virtual_stages = 1, PlanKind plan = PlanKind::GPipe,
-         c10::intrusive_ptr<c10d::ProcessGroup> group = {});
+         Groups groups = {});
 
   /// Each stage worker's intra-op thread count as set (0: left to torch).
   const std::vector<int>& intra_op_threads() const noexcept { return intra_op_threads_; }
@@ -262,6 +276,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   int64_t all_stages_ = 0;
   /// Over a process group: the hand-offs between ranks; null in-process.
   std::unique_ptr<ProcessGroupTransport> transport_;
+  // Grads are averaged over it after a training step (see Groups::data).
+  c10::intrusive_ptr<c10d::ProcessGroup> data_group_;
   /// Set by a failed step over a group: later ones are refused.
   std::string failed_;
   std::vector<int> intra_op_threads_;  // before executor_: it starts the workers with these

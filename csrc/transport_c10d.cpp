@@ -132,10 +132,23 @@ Handoffs plan_handoffs(const Plan& plan, int64_t worker, const std::vector<SkipR
 }
 
 ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                             c10::intrusive_ptr<c10d::ProcessGroup> reverse,
                                              int64_t stages, c10::Device device)
-    : group_(std::move(group)), rank_(0), size_(1), stages_(stages), device_(device) {
+    : group_(std::move(group)),
+      reverse_(std::move(reverse)),
+      rank_(0),
+      size_(1),
+      stages_(stages),
+      device_(device) {
   TORCH_CHECK(group_, "gpipe: no process group; call torch.distributed.init_process_group() "
                       "(or pass group=) before building the pipe");
+  if (!reverse_) reverse_ = group_;
+  GPIPE_CHECK_VALUE(reverse_->getSize() == group_->getSize() &&
+                        reverse_->getRank() == group_->getRank(),
+                    "the reverse group has ", reverse_->getSize(), " ranks (this one ",
+                    reverse_->getRank(), ") but the pipeline group ", group_->getSize(),
+                    " (this one ", group_->getRank(), "); make it over the same ranks in the "
+                    "same order");
   rank_ = group_->getRank();
   size_ = group_->getSize();
   TORCH_CHECK(stages_ >= size_ && stages_ % size_ == 0, "gpipe: ", stages_,

@@ -63,9 +63,12 @@ Handoffs plan_handoffs(const Plan& plan, int64_t worker,
 class ProcessGroupTransport final : public Transport {
  public:
   /// `stages` stages in all over the group's ranks (stage s on rank s mod
-  /// size). Received tensors are allocated on `device` (CPU for Gloo; the
-  /// rank's GPU for NCCL); the receiving stage moves them where it runs.
-  ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t stages,
+  /// size). `reverse`: the same ranks again, for hand-offs to lower ranks
+  /// (see Groups::reverse); null: `group`. Received tensors are allocated
+  /// on `device` (CPU for Gloo; the rank's GPU for NCCL); the receiving
+  /// stage moves them where it runs.
+  ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                        c10::intrusive_ptr<c10d::ProcessGroup> reverse, int64_t stages,
                         c10::Device device = c10::kCPU);
   ~ProcessGroupTransport() override;
   ProcessGroupTransport(const ProcessGroupTransport&) = delete;
@@ -121,6 +124,7 @@ class ProcessGroupTransport final : public Transport {
   static void bury(Pending pending);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  c10::intrusive_ptr<c10d::ProcessGroup> reverse_;
   int rank_;
   int size_;
   int64_t stages_;

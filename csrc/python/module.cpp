@@ -73,13 +73,17 @@ class PyEngine {
            const std::string& checkpoint, int64_t intra_op_threads, int64_t virtual_stages,
            const std::string& schedule,
            const std::vector<std::pair<int64_t, int64_t>>& skip_routes,
-           const std::string& group) {
+           const std::string& group, const std::string& reverse_group,
+           const std::string& dp_group) {
     // The group crosses from Python by name: the registry torch.distributed
     // fills is libtorch's own, so this works whatever pybind11 build made
     // the Python object. Over a group, partition j is stage rank + j * size
     // of the whole pipeline, and skip routes name whole-pipeline stages.
-    c10::intrusive_ptr<c10d::ProcessGroup> pg;
-    if (!group.empty()) pg = c10d::resolve_process_group(group);
+    detail::Groups groups;
+    if (!group.empty()) groups.pipeline = c10d::resolve_process_group(group);
+    if (!reverse_group.empty()) groups.reverse = c10d::resolve_process_group(reverse_group);
+    if (!dp_group.empty()) groups.data = c10d::resolve_process_group(dp_group);
+    const auto& pg = groups.pipeline;
     const size_t all = pg ? static_cast<size_t>(virtual_stages * pg->getSize()) : partitions.size();
     auto global = [&](size_t j) {
       return pg ? static_cast<size_t>(pg->getRank()) + j * static_cast<size_t>(pg->getSize()) : j;
@@ -109,7 +113,8 @@ class PyEngine {
                 "got ", stages.size(), " stages for virtual_stages ", virtual_stages);
     engine_ = std::make_shared<detail::Engine>(std::move(stages), devices, chunks,
                                                parse_checkpoint(checkpoint), intra_op_threads,
-                                               virtual_stages, parse_schedule(schedule), pg);
+                                               virtual_stages, parse_schedule(schedule),
+                                               std::move(groups));
     engine_->set_skip_routes(std::move(routes));
     engine_->set_error_hook(reraise_python);
   }
@@ -223,12 +228,13 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PyEngine>(m, "Engine", "Runs stages of Python modules as a GPipe pipeline.")
       .def(py::init<const py::list&, const std::vector<c10::Device>&, int64_t,
                     const std::string&, int64_t, int64_t, const std::string&,
-                    const std::vector<std::pair<int64_t, int64_t>>&, const std::string&>(),
+                    const std::vector<std::pair<int64_t, int64_t>>&, const std::string&,
+                    const std::string&, const std::string&>(),
            py::arg("partitions"), py::arg("devices"), py::arg("chunks"), py::arg("checkpoint"),
            py::arg("intra_op_threads") = 0, py::arg("virtual_stages") = 1,
            py::arg("schedule") = "1f1b",
            py::arg("skip_routes") = std::vector<std::pair<int64_t, int64_t>>(),
-           py::arg("group") = "",
+           py::arg("group") = "", py::arg("reverse_group") = "", py::arg("dp_group") = "",
            R"doc(partitions: one list of modules per stage, or a gpipe.skip StageRunner for a
 stage with skips; devices: one per stage;
 chunks: micro-batches per mini-batch; checkpoint: 'always', 'except_last' or 'never';
@@ -238,7 +244,8 @@ N > 0 gives each CPU worker N, -1 leaves torch's setting; virtual_stages: stages
 'interleaved_1f1b' or 'zb_h1'; skip_routes: (stashing stage, popping stage) per skip across stages, in the order the runners take and give them;
 group: a torch.distributed group's name (group_name) for a pipeline over its ranks: partitions
 are then this rank's stages (stage s on rank s % size, virtual_stages per rank); empty: every
-stage in this process.)doc")
+stage in this process; reverse_group: the same ranks again, for hand-offs to lower ranks over
+NCCL (empty: group); dp_group: this rank's data-parallel replicas, grads averaged over it.)doc")
       .def("train_step", &PyEngine::train_step, py::arg("input"), py::arg("target"),
            py::arg("loss_fn"), py::arg("training"),
            R"doc(One training step inside the pipeline: forward, loss_fn(output, target) per

@@ -43,6 +43,11 @@ struct DistributedPipeOptions {
   /// (`c10d::resolve_process_group(name)`): the pip wheel ships no Gloo
   /// headers to create one with.
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, group);
+  /// The group's ranks again (same order), for hand-offs to lower ranks:
+  /// needed over NCCL, which runs a pair's sends and receives on one ordered
+  /// queue, so hand-offs both ways on one group could wait on each other.
+  /// Null: `group` (right for Gloo).
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, reverse_group);
   /// This rank's stage replicas: grads averaged over it after each step;
   /// null for none.
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, dp_group);
