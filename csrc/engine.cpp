@@ -188,8 +188,11 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
     TORCH_CHECK(static_cast<int64_t>(layers.size()) == virtual_stages, "gpipe: a rank holds ",
                 virtual_stages, " stages (virtual_stages) but got ", layers.size());
     all_stages_ = virtual_stages * groups.pipeline->getSize();
-    transport_ = std::make_unique<ProcessGroupTransport>(groups.pipeline, groups.reverse,
-                                                         all_stages_);
+    // Received tensors land where the backend moves them: the host for
+    // Gloo, this rank's device otherwise (NCCL).
+    const bool gloo = groups.pipeline->getBackendName() == "gloo";
+    transport_ = std::make_unique<ProcessGroupTransport>(
+        groups.pipeline, groups.reverse, all_stages_, gloo ? c10::Device(c10::kCPU) : devices[0]);
   }
   data_group_ = std::move(groups.data);
   for (size_t j = 0; j < layers.size(); ++j) {

@@ -206,6 +206,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// The pipeline's stages in all (over a group: every rank's).
   int64_t all_stages() const noexcept { return all_stages_; }
   int64_t workers() const noexcept { return executor_.workers(); }
+  /// How batches travel between stages: "in-process", or over a group
+  /// "tagged" (Gloo) or "ordered" (NCCL; see transport_c10d.h).
+  const char* handoffs() const noexcept {
+    return !transport_ ? "in-process" : transport_->ordered() ? "ordered" : "tagged";
+  }
 
   /// Where inputs are cut and outputs joined (see `scatter` and `gather`):
   /// dim 0 of every value unless set. Set before the first run.

@@ -5,12 +5,17 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/ScopeExit.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <exception>
 #include <limits>
+#include <thread>
 
 namespace gpipe::detail {
 
@@ -156,12 +161,28 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
               "stages (a multiple of ", size_, ")");
   const std::string backend = group_->getBackendName();
   gloo_ = backend == "gloo";
-  // NCCL matches sends to receives by order, not by tag, and this transport
-  // posts receives ahead, by tag: over NCCL it would mismatch them. Until it
-  // has an ordered mode (and a GPU to test it on), it says so.
-  GPIPE_CHECK_VALUE(gloo_ || size_ == 1, "gpipe.distributed hands batches over Gloo for now, but the group's "
-                    "backend is '", backend, "'; give the pipe a Gloo group (group="
-                    "dist.new_group(backend='gloo')): CUDA tensors then travel through the host");
+  ordered_ = !gloo_;
+  if (const char* env = std::getenv("GPIPE_HANDOFFS"); env != nullptr && *env != '\0') {
+    const std::string mode = env;
+    GPIPE_CHECK_VALUE(mode == "ordered" || mode == "tagged", "GPIPE_HANDOFFS is '", mode,
+                      "'; set it to 'ordered' or 'tagged', or unset it (the backend's default)");
+    ordered_ = mode == "ordered";
+  }
+  if (size_ > 1 && backend == "nccl") {
+    GPIPE_CHECK_VALUE(ordered_, "GPIPE_HANDOFFS=tagged, but NCCL matches messages by order, not "
+                      "by tag; unset GPIPE_HANDOFFS");
+    GPIPE_CHECK_VALUE(reverse_ != group_, "over NCCL the pipe needs a second group over the same "
+                      "ranks for hand-offs to lower ranks (NCCL runs a pair's sends and receives "
+                      "on one in-order queue, so hand-offs both ways on one group could wait on "
+                      "each other); pass reverse_group (gpipe.distributed.Pipe makes it itself)");
+    GPIPE_CHECK_VALUE(!device_.is_cpu(), "over NCCL the stages must run on this rank's GPU, but "
+                      "the device is ", device_, "; pass device=torch.device('cuda', local_rank), "
+                      "or give the pipe a Gloo group");
+  }
+  if (ordered_ && !device_.is_cpu()) {
+    c10::impl::VirtualGuardImpl impl(device_.type());
+    side_ = impl.getStreamFromGlobalPool(device_);
+  }
 }
 
 ProcessGroupTransport::~ProcessGroupTransport() {
@@ -174,6 +195,7 @@ ProcessGroupTransport::~ProcessGroupTransport() {
     bury(std::move(p));
   }
   for (auto& p : sent_works_) bury(std::move(p));
+  drop_channels();
   for (auto& [k, ps] : early_) {
     for (auto& p : ps) {
       p.work->abort();
@@ -243,6 +265,10 @@ void ProcessGroupTransport::begin(int64_t microbatches, const Handoffs& handoffs
   for (const auto& a : handoffs.sends) {
     if (owner(a.stage) != rank_) owed_.insert(key(a));
   }
+  if (ordered_) {
+    ordered_begin(handoffs);
+    return;
+  }
   upcoming_.clear();
   taken_ = 0;
   for (const auto& a : handoffs.receives) {
@@ -296,7 +322,8 @@ ProcessGroupTransport::Pending ProcessGroupTransport::post_receive(std::vector<a
   return p;
 }
 
-bool ProcessGroupTransport::wait(Pending& pending, int from, const std::string& what) {
+bool ProcessGroupTransport::wait(Pending& pending, int from, const std::string& what,
+                                 bool on_host) {
   {
     std::lock_guard<std::mutex> hold(mutex_);
     if (cancelled_.load()) {
@@ -309,6 +336,15 @@ bool ProcessGroupTransport::wait(Pending& pending, int from, const std::string& 
   bool done = false;
   std::exception_ptr error;
   try {
+    if (on_host && side_) {
+      // On a GPU, c10d's wait only orders the current stream after the
+      // receive: poll for it (a cancel still wakes this) before reading it.
+      auto pause = std::chrono::microseconds(1);
+      while (!cancelled_.load() && !pending.work->isCompleted()) {
+        std::this_thread::sleep_for(pause);
+        pause = std::min(pause * 2, std::chrono::microseconds(200));
+      }
+    }
     done = pending.work->wait();
   } catch (...) {
     error = std::current_exception();
@@ -338,6 +374,24 @@ bool ProcessGroupTransport::wait(Pending& pending, int from, const std::string& 
   return true;
 }
 
+at::Tensor ProcessGroupTransport::wire_tensor(int64_t ints) const {
+  // NCCL moves device memory only; Gloo (and tests' groups) host memory.
+  return at::empty({ints}, at::TensorOptions().dtype(at::kLong).device(gloo_ ? c10::kCPU : device_));
+}
+
+void ProcessGroupTransport::send_tensor(at::Tensor t, int dst, int tag, std::vector<Pending>& out) {
+  if (gloo_) {
+    // Gloo reads the tensor's memory on the host.
+    if (!t.device().is_cpu()) t = t.cpu();
+  } else if (t.device() != device_) {
+    t = t.to(device_);
+  }
+  Pending p;
+  p.tensors = {t.contiguous()};
+  p.work = (ordered_ ? lane_group(rank_, dst) : *group_).send(p.tensors, dst, tag);
+  out.push_back(std::move(p));
+}
+
 void ProcessGroupTransport::send_wire(const std::vector<int64_t>& ints, int64_t kind, int to,
                                       int tag) {
   const auto length = static_cast<int64_t>(ints.size());
@@ -347,16 +401,11 @@ void ProcessGroupTransport::send_wire(const std::vector<int64_t>& ints, int64_t 
   w[1] = length;
   std::copy_n(ints.begin(), std::min(length, kWireBody), w + 2);
   std::vector<Pending> out;
-  Pending head;
-  head.tensors = {wire};
-  head.work = group_->send(head.tensors, to, tag);
-  out.push_back(std::move(head));
+  send_tensor(wire, to, tag, out);
   if (length > kWireBody) {
-    Pending rest;
-    rest.tensors = {at::empty({length - kWireBody}, at::kLong)};
-    std::copy(ints.begin() + kWireBody, ints.end(), rest.tensors[0].data_ptr<int64_t>());
-    rest.work = group_->send(rest.tensors, to, tag);
-    out.push_back(std::move(rest));
+    at::Tensor rest = at::empty({length - kWireBody}, at::kLong);
+    std::copy(ints.begin() + kWireBody, ints.end(), rest.data_ptr<int64_t>());
+    send_tensor(rest, to, tag, out);
   }
   std::lock_guard<std::mutex> hold(mutex_);
   for (auto& p : out) sent_works_.push_back(std::move(p));
@@ -369,6 +418,10 @@ void ProcessGroupTransport::send(const Address& to, Payload payload) {
     return;
   }
   Batch batch = settle(std::move(payload));
+  if (ordered_) {
+    ordered_send(to, dst, std::move(batch));
+    return;
+  }
   BatchMeta meta = describe(batch);
   send_wire(encode(meta), kBatch, dst, tag(to, kHeaderPart));
   // The receiver expects last step's shapes on kExpectedPart: filler of
@@ -378,24 +431,13 @@ void ProcessGroupTransport::send(const Address& to, Payload payload) {
   auto last = sent_meta_.find(key(to));
   if (last != sent_meta_.end() && !(last->second == meta)) {
     for (const auto& v : last->second.values) {
-      if (!v.defined) continue;
-      Pending p;
-      p.tensors = {at::empty(v.shape, at::TensorOptions().dtype(v.dtype))};
-      p.work = group_->send(p.tensors, dst, data_tag);
-      out.push_back(std::move(p));
+      if (v.defined) send_tensor(at::empty(v.shape, at::TensorOptions().dtype(v.dtype)), dst, data_tag, out);
     }
     data_tag = tag(to, kChangedPart);
   }
   sent_meta_[key(to)] = std::move(meta);
   for (const auto& value : batch.values) {
-    if (!value.defined()) continue;
-    at::Tensor t = value.detach();
-    // Gloo reads the tensor's memory on the host.
-    if (gloo_ && !t.device().is_cpu()) t = t.cpu();
-    Pending p;
-    p.tensors = {t.contiguous()};
-    p.work = group_->send(p.tensors, dst, data_tag);
-    out.push_back(std::move(p));
+    if (value.defined()) send_tensor(value.detach(), dst, data_tag, out);
   }
   std::lock_guard<std::mutex> hold(mutex_);
   for (auto& p : out) sent_works_.push_back(std::move(p));
@@ -405,6 +447,7 @@ void ProcessGroupTransport::send(const Address& to, Payload payload) {
 std::optional<Payload> ProcessGroupTransport::receive(const Address& at) {
   const int from = source(at);
   if (from == rank_) return local_->receive(at);
+  if (ordered_) return ordered_receive(at, from);
   const std::string what = describe_address(at);
   Pending head;
   std::optional<std::vector<Pending>> early;
@@ -500,6 +543,13 @@ void ProcessGroupTransport::finish() {
     std::lock_guard<std::mutex> hold(mutex_);
     TORCH_INTERNAL_ASSERT(headers_.empty() && early_.empty(), "gpipe: a step ended with ",
                           headers_.size(), " hand-offs not received");
+    TORCH_INTERNAL_ASSERT(inbox_.empty(), "gpipe: a step ended with ", inbox_.size(),
+                          " hand-offs received but not taken");
+    for (const auto& [from, channel] : channels_) {
+      TORCH_INTERNAL_ASSERT(channel.taken == channel.expected, "gpipe: a step ended with ",
+                            channel.expected - channel.taken, " hand-offs from rank ", from,
+                            " not received");
+    }
     sends.swap(sent_works_);
   }
   for (auto& p : sends) {
@@ -520,6 +570,18 @@ void ProcessGroupTransport::fail(const std::string& what) {
     owed.swap(owed_);
   }
   // Peers that died refuse the message: nothing to tell them.
+  if (ordered_) {
+    // Once per rank still owed a message: where its next header is due.
+    std::set<int> ranks;
+    for (const auto& [stage, flow, microbatch, route] : owed) ranks.insert(owner(stage));
+    for (int dst : ranks) {
+      try {
+        send_wire(pack(origin, text), kFailure, dst, 0);
+      } catch (const std::exception&) {
+      }
+    }
+    owed.clear();
+  }
   for (const auto& [stage, flow, microbatch, route] : owed) {
     const Address a{stage, static_cast<Flow>(flow), microbatch, route};
     try {
@@ -540,9 +602,244 @@ void ProcessGroupTransport::fail(const std::string& what) {
     }
   }
   early_.clear();
+  drop_channels();
   // Sends nobody will take: kept alive (they may still be read).
   for (auto& p : sent_works_) bury(std::move(p));
   sent_works_.clear();
+}
+
+
+// ---- The ordered mode: one channel per sending peer, read in its order ----
+
+void ProcessGroupTransport::drop_channels() {
+  // Under mutex_: receives posted for messages that will not come (or
+  // come late) are buried, not freed.
+  for (auto& [from, channel] : channels_) {
+    if (channel.header) {
+      channel.header->work->abort();
+      bury(std::move(*channel.header));
+    }
+    for (auto& p : channel.predicted) {
+      p.work->abort();
+      bury(std::move(p));
+    }
+  }
+  channels_.clear();
+  inbox_.clear();
+}
+
+c10d::ProcessGroup& ProcessGroupTransport::lane_group(int from, int to) const {
+  return from < to ? *group_ : *reverse_;
+}
+
+void ProcessGroupTransport::ordered_begin(const Handoffs& handoffs) {
+  // Under mutex_. Each sending peer's channel carries exactly the hand-offs
+  // this rank receives from it this step, in the peer's order.
+  TORCH_INTERNAL_ASSERT(inbox_.empty());
+  channels_.clear();
+  sent_count_.clear();
+  for (const auto& a : handoffs.receives) {
+    const int from = source(a);
+    if (from != rank_) ++channels_[from].expected;
+  }
+  for (auto& [from, channel] : channels_) post_next(from, channel);
+}
+
+void ProcessGroupTransport::post_next(int from, Channel& channel) {
+  auto& group = lane_group(from, rank_);
+  Pending head;
+  head.tensors = {wire_tensor(kWireInts)};
+  head.work = group.recv(head.tensors, from, 0);
+  channel.header = std::move(head);
+  channel.predicted.clear();
+  auto last = received_order_meta_.find({from, channel.taken});
+  channel.has_prediction = last != received_order_meta_.end();
+  if (!channel.has_prediction) return;
+  for (const auto& v : last->second.values) {
+    if (!v.defined) continue;
+    Pending p;
+    p.tensors = {at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(device_))};
+    p.work = group.recv(p.tensors, from, 0);
+    channel.predicted.push_back(std::move(p));
+  }
+}
+
+void ProcessGroupTransport::ordered_send(const Address& to, int dst, Batch batch) {
+  BatchMeta meta = describe(batch);
+  std::vector<int64_t> ints{to.stage, static_cast<int64_t>(to.flow), to.microbatch, to.route};
+  const auto encoded = encode(meta);
+  ints.insert(ints.end(), encoded.begin(), encoded.end());
+  const auto length = static_cast<int64_t>(ints.size());
+  at::Tensor head = at::zeros({kWireInts}, at::kLong);
+  auto* w = head.data_ptr<int64_t>();
+  w[0] = kBatch;
+  w[1] = length;
+  std::copy_n(ints.begin(), std::min(length, kWireBody), w + 2);
+  at::Tensor rest;
+  if (length > kWireBody) {
+    rest = at::empty({length - kWireBody}, at::kLong);
+    std::copy(ints.begin() + kWireBody, ints.end(), rest.data_ptr<int64_t>());
+  }
+  int64_t k = 0;
+  std::optional<BatchMeta> predicted;
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    k = sent_count_[dst]++;
+    auto last = sent_order_meta_.find({dst, k});
+    if (last != sent_order_meta_.end()) predicted = last->second;
+  }
+  // The receiver posted the header and the predicted shapes already (see
+  // the top of this file): header, predicted (tensors, or filler), rest,
+  // then the tensors when the prediction did not hold.
+  std::vector<Pending> out;
+  send_tensor(head, dst, 0, out);
+  const bool hit = predicted && *predicted == meta;
+  if (predicted) {
+    if (hit) {
+      for (const auto& value : batch.values) {
+        if (value.defined()) send_tensor(value.detach(), dst, 0, out);
+      }
+    } else {
+      for (const auto& v : predicted->values) {
+        if (v.defined) send_tensor(at::empty(v.shape, at::TensorOptions().dtype(v.dtype)), dst, 0, out);
+      }
+    }
+  }
+  if (rest.defined()) send_tensor(rest, dst, 0, out);
+  if (!hit) {
+    for (const auto& value : batch.values) {
+      if (value.defined()) send_tensor(value.detach(), dst, 0, out);
+    }
+  }
+  std::lock_guard<std::mutex> hold(mutex_);
+  sent_order_meta_[{dst, k}] = std::move(meta);
+  for (auto& p : out) sent_works_.push_back(std::move(p));
+  owed_.erase(key(to));
+}
+
+std::optional<Payload> ProcessGroupTransport::ordered_receive(const Address& at, int from) {
+  const std::string what = describe_address(at);
+  while (true) {
+    Channel* channel = nullptr;
+    {
+      std::lock_guard<std::mutex> hold(mutex_);
+      auto got = inbox_.find(key(at));
+      if (got != inbox_.end()) {
+        Payload payload = std::move(got->second);
+        inbox_.erase(got);
+        return payload;
+      }
+      auto it = channels_.find(from);
+      TORCH_INTERNAL_ASSERT(it != channels_.end() && it->second.taken < it->second.expected,
+                            "gpipe: receive at ", what, " from rank ", from,
+                            " was not announced by begin, or taken twice");
+      channel = &it->second;
+    }
+    // One worker reads a channel; messages for other addresses wait in the inbox.
+    if (!read_next(from, *channel, what)) return std::nullopt;
+  }
+}
+
+bool ProcessGroupTransport::read_next(int from, Channel& channel, const std::string& what) {
+  auto& group = lane_group(from, rank_);
+  if (channel.failure) {
+    const auto& [origin, text] = *channel.failure;
+    fail_between_ranks("gpipe: rank ", origin, " failed, so rank ", rank_,
+                       " stopped waiting for ", what, " (from rank ", from, "); rank ", origin,
+                       "'s error: ", text);
+  }
+  // Receives on an accelerator wait on the side stream; the payload
+  // carries its event to the stage that takes it.
+  std::optional<c10::StreamGuard> on_side;
+  if (side_) on_side.emplace(*side_);
+  Pending head = std::move(*channel.header);
+  channel.header.reset();
+  std::vector<Pending> predicted = std::move(channel.predicted);
+  channel.predicted.clear();
+  auto unused = unwaited(predicted, [](Pending p) { bury(std::move(p)); });
+  if (!wait(head, from, what, /*on_host=*/true)) return false;
+  at::Tensor wire = head.tensors[0].device().is_cpu() ? head.tensors[0] : head.tensors[0].cpu();
+  const auto* w = wire.const_data_ptr<int64_t>();
+  const int64_t kind = w[0];
+  const int64_t length = w[1];
+  if ((kind != kBatch && kind != kFailure) || length < 0 ||
+      (kind == kBatch && length < 4 + 3)) {
+    fail_between_ranks("gpipe: rank ", rank_, " got a malformed hand-off header from rank ", from,
+                       " while waiting for ", what, " (kind ", kind, ", length ", length,
+                       "); run the same gpipe version on every rank");
+  }
+  std::vector<int64_t> ints(w + 2, w + 2 + std::min(length, kWireBody));
+  if (kind == kFailure) {
+    channel.failure = unpack(ints);
+    peer_failure_ = channel.failure;
+    const auto& [origin, text] = *channel.failure;
+    fail_between_ranks("gpipe: rank ", origin, " failed, so rank ", rank_,
+                       " stopped waiting for ", what, " (from rank ", from, "); rank ", origin,
+                       "'s error: ", text);
+  }
+  const int64_t k = channel.taken;
+  if (length > kWireBody) {
+    // The rest of the header comes after the predicted tensors.
+    Pending rest;
+    rest.tensors = {wire_tensor(length - kWireBody)};
+    rest.work = group.recv(rest.tensors, from, 0);
+    if (!wait(rest, from, what, /*on_host=*/true)) return false;
+    at::Tensor r = rest.tensors[0].device().is_cpu() ? rest.tensors[0] : rest.tensors[0].cpu();
+    const auto* rp = r.const_data_ptr<int64_t>();
+    ints.insert(ints.end(), rp, rp + (length - kWireBody));
+  }
+  const Address a{ints[0], static_cast<Flow>(ints[1]), ints[2], ints[3]};
+  BatchMeta meta = decode(std::vector<int64_t>(ints.begin() + 4, ints.end()));
+  const bool hit = channel.has_prediction && received_order_meta_.at({from, k}) == meta;
+  std::vector<Pending> values;
+  if (hit) {
+    values = std::move(predicted);
+    predicted.clear();
+  } else {
+    // The predicted receives took filler (or nothing was predicted): the
+    // tensors follow.
+    for (const auto& v : meta.values) {
+      if (!v.defined) continue;
+      Pending p;
+      p.tensors = {at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(device_))};
+      p.work = group.recv(p.tensors, from, 0);
+      values.push_back(std::move(p));
+    }
+  }
+  auto pending = unwaited(values, [](Pending p) { bury(std::move(p)); });
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    received_order_meta_[{from, k}] = meta;
+    ++channel.taken;
+    // The next message's receives go in right behind this one's.
+    if (channel.taken < channel.expected) post_next(from, channel);
+  }
+  for (auto& p : predicted) {
+    // Filler: taken and dropped.
+    if (!wait(p, from, what, /*on_host=*/false)) return false;
+    p.work.reset();
+  }
+  Batch batch;
+  batch.atomic = meta.atomic;
+  size_t next = 0;
+  for (const auto& v : meta.values) {
+    if (!v.defined) {
+      batch.values.emplace_back();
+      continue;
+    }
+    Pending& p = values[next++];
+    at::Tensor t = p.tensors[0];
+    if (!wait(p, from, what, /*on_host=*/false)) return false;
+    p.work.reset();
+    if (v.requires_grad) t.requires_grad_(true);
+    batch.values.push_back(std::move(t));
+  }
+  Payload payload{std::move(batch), side_ ? mark(*side_) : std::vector<std::shared_ptr<c10::Event>>{}};
+  std::lock_guard<std::mutex> hold(mutex_);
+  TORCH_INTERNAL_ASSERT(!inbox_.count(key(a)), "gpipe: rank ", from, " sent ",
+                        describe_address(a), " twice");
+  inbox_.emplace(key(a), std::move(payload));
+  return true;
 }
 
 }  // namespace gpipe::detail

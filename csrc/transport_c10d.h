@@ -1,27 +1,52 @@
 // transport_c10d.h — hand-offs between ranks over a c10d process group: a small header, then the tensors, by isend/irecv.
 //
-// Stage s lives on rank s mod R of an R-rank group. A hand-off to a stage of
-// another rank travels as
+// Stage s lives on rank s mod R of an R-rank group. A hand-off between two
+// stages of the same rank (world size 1) stays in-process (Mailboxes); one
+// to another rank travels as a small header (shapes, dtypes and grad flags:
+// the receiver allocates from it, so shapes may change from step to step)
+// and then the tensors. Two ways to match them, by the backend:
+//
+// Tagged (Gloo). Each part has its own tag from the address:
 //
 //   header:  int64[kWireInts]  kind, length, encode(describe(batch)) ...   tag(address, 0)
 //   tensors: one message per defined value, in order                        tag(address, 1)
 //
-// so the receiver learns shapes, dtypes and grad flags before it allocates:
-// shapes may change from step to step. A hand-off between two stages of the
-// same rank (world size 1) stays in-process (Mailboxes). The header receives
-// of a whole step are posted when it begins (`begin`): a peer's header send
-// never waits for us, and Gloo starts moving it at once.
+// The header receives of a whole step are posted when it begins (`begin`):
+// a peer's header send never waits for us, and Gloo starts moving it at
+// once. Shapes rarely change, so the tensors' receives are posted early
+// too, for the next few addresses in the order this rank takes them, with
+// the shapes the same address had last step (both ends know them): Gloo
+// then moves the tensors right behind the header, without waiting for this
+// rank to ask. When the header says the shapes changed, the sender has sent
+// filler of the old shapes on tag 1 (which the early receives take and
+// drop) and the real tensors on tag(address, 2), which the receiver then
+// asks for.
 //
-// Shapes rarely change, so the tensors' receives are posted early too, for
-// the next few addresses in the order this rank takes them, with the shapes
-// the same address had last step (both ends know them): Gloo then moves the
-// tensors right behind the header, without waiting for this rank to ask.
-// When the header says the shapes changed, the sender has sent filler of
-// the old shapes on tag 1 (which the early receives take and drop) and the
-// real tensors on tag(address, 2), which the receiver then asks for.
+// Ordered (NCCL, and any backend but Gloo; GPIPE_HANDOFFS=ordered|tagged
+// overrides). NCCL ignores tags: a pair's messages match in the order they
+// were posted, and it runs a pair's sends and receives on one in-order
+// queue. So every peer that sends to this rank is a channel, read in the
+// peer's send order; hand-offs to a higher rank go over the pipeline group,
+// to a lower rank over the reverse group (Groups::reverse), so no queue
+// holds both directions and a posted receive never blocks a send. The k-th
+// message of a channel in a step is
+//
+//   header:     int64[kWireInts]  kind, length, address, encode(meta) ...
+//   predicted:  the values with the shapes message k had last step (both
+//               ends know them): the tensors, or filler when they changed
+//   rest:       the header's integers past kWireInts - 2, if any
+//   tensors:    when there was no prediction or it failed
+//
+// so the receiver posts the header and the predicted tensors of message k
+// + 1 as soon as it has read message k's header: the tensors then move
+// right behind the header. A message for an address nobody asked for yet
+// waits in an inbox. On a GPU the receives run on a side stream; the
+// payload carries its ready event (streams.h), and only the header is
+// read on the host (polled, so a cancel still wakes the wait).
 //
 // Failure: a rank whose task fails calls `fail`, which sends a failure header
-// (origin rank and its message) to every address it still owes; the peer
+// (origin rank and its message) to every address it still owes (ordered: to
+// every rank it still owes a message); the peer
 // waiting there fails with an error naming the origin rank and forwards it in
 // turn, so every rank stops within a hand-off of the failure. A peer that
 // died surfaces from c10d (connection closed, or the group's timeout) as an
@@ -34,6 +59,7 @@
 #include "transport.h"
 
 #include <c10/core/Device.h>
+#include <c10/core/Stream.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -75,6 +101,8 @@ class ProcessGroupTransport final : public Transport {
   ProcessGroupTransport& operator=(const ProcessGroupTransport&) = delete;
 
   int rank() const noexcept { return rank_; }
+  /// Whether hand-offs match by order (NCCL) rather than by tag (Gloo).
+  bool ordered() const noexcept { return ordered_; }
   int ranks() const noexcept { return size_; }
   int owner(int64_t stage) const noexcept { return static_cast<int>(stage % size_); }
   /// The rank that sends to `at`: the previous stage's for activations,
@@ -117,11 +145,38 @@ class ProcessGroupTransport final : public Transport {
   std::optional<std::vector<at::Tensor>> receive_values(const BatchMeta& meta, int from, int tag,
                                                         const std::string& what);
   /// Waits for `work`; false when cancelled. Errors name `from` and `what`.
-  bool wait(Pending& pending, int from, const std::string& what);
+  /// `on_host`: the host reads the result (on a GPU: polls until it landed).
+  bool wait(Pending& pending, int from, const std::string& what, bool on_host = true);
   void send_wire(const std::vector<int64_t>& ints, int64_t kind, int to, int tag);
   std::string describe_address(const Address& a) const;
   /// Keeps `pending` alive for the life of the process (see fail()).
   static void bury(Pending pending);
+
+  // The ordered mode (see the top of this file).
+  struct Channel {
+    int64_t expected = 0;  // messages this step
+    int64_t taken = 0;     // messages read
+    std::optional<Pending> header;   // the next message's header, posted
+    std::vector<Pending> predicted;  // and its predicted tensors
+    bool has_prediction = false;
+    std::optional<std::pair<int64_t, std::string>> failure;  // what the peer announced
+  };
+  /// The group a hand-off from rank `from` to rank `to` travels on.
+  c10d::ProcessGroup& lane_group(int from, int to) const;
+  void ordered_begin(const Handoffs& handoffs);
+  /// Buries every receive the channels posted; empties them and the inbox.
+  void drop_channels();
+  void ordered_send(const Address& to, int dst, Batch batch);
+  std::optional<Payload> ordered_receive(const Address& at, int from);
+  /// Posts message `channel.taken` of `from`'s channel: its header and
+  /// predicted tensors (under mutex_).
+  void post_next(int from, Channel& channel);
+  /// Reads the next message of `from`'s channel into `inbox_`; false when
+  /// cancelled.
+  bool read_next(int from, Channel& channel, const std::string& what);
+  /// Sends `t` (moved to where the backend reads it) to `dst`; kept in sent_works_.
+  void send_tensor(at::Tensor t, int dst, int tag, std::vector<Pending>& out);
+  at::Tensor wire_tensor(int64_t ints) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   c10::intrusive_ptr<c10d::ProcessGroup> reverse_;
@@ -130,6 +185,9 @@ class ProcessGroupTransport final : public Transport {
   int64_t stages_;
   c10::Device device_;
   bool gloo_;
+  bool ordered_ = false;
+  // Where this rank waits for receives on an accelerator (ordered mode).
+  std::optional<c10::Stream> side_;
   int64_t microbatches_ = 0;
   std::vector<SkipRoute> routes_;
   std::optional<Mailboxes> local_;
@@ -146,6 +204,14 @@ class ProcessGroupTransport final : public Transport {
   std::map<Key, std::vector<Pending>> early_;  // tensors' receives posted early
   std::vector<Address> upcoming_;              // this step's remote receives, in order
   size_t taken_ = 0;                           // how many of them were received
+  // Ordered mode: the channels by sending rank, messages read before they
+  // were asked for, messages sent per rank this step, and last step's
+  // metadata per (peer, message) as sent and as received.
+  std::map<int, Channel> channels_;
+  std::map<Key, Payload> inbox_;
+  std::map<int, int64_t> sent_count_;
+  std::map<std::pair<int, int64_t>, BatchMeta> sent_order_meta_;
+  std::map<std::pair<int, int64_t>, BatchMeta> received_order_meta_;
   std::atomic<bool> cancelled_{false};
   // The failure a peer announced: its rank and message.
   std::optional<std::pair<int64_t, std::string>> peer_failure_;

@@ -194,6 +194,7 @@ class PyEngine {
 
   detail::Tracer& tracer() { return engine_->tracer(); }
   const std::vector<int>& intra_op_threads() const { return engine_->intra_op_threads(); }
+  std::string handoffs() const { return engine_->handoffs(); }
 
  private:
   std::shared_ptr<detail::Engine> engine_;
@@ -262,6 +263,10 @@ before it, in Python), so the other ranks fail too, naming this rank and `what`.
       .def("eval_step", &PyEngine::eval_step, py::arg("input"),
            R"doc(Pipelined inference over the group's ranks (no grad): the gathered output on
 the rank of the last stage, None elsewhere.)doc")
+      .def_property_readonly(
+          "handoffs", [](const PyEngine& e) { return e.handoffs(); },
+          "How batches travel between stages: 'in-process', or over a group 'tagged' (Gloo) or "
+          "'ordered' (NCCL, or GPIPE_HANDOFFS=ordered).")
       .def_property_readonly(
           "intra_op_threads", [](const PyEngine& e) { return e.intra_op_threads(); },
           "Each stage worker's intra-op thread count as set (0: left to torch).")

@@ -9,7 +9,9 @@ class Engine:
 
     def __init__(self, partitions: Sequence[Sequence[nn.Module]], devices: Sequence[torch.device],
                  chunks: int, checkpoint: str, intra_op_threads: int = ...,
-                 virtual_stages: int = ..., schedule: str = ..., group: str = ...) -> None: ...
+                 virtual_stages: int = ..., schedule: str = ...,
+                 skip_routes: Sequence[Tuple[int, int]] = ..., group: str = ...,
+                 reverse_group: str = ..., dp_group: str = ...) -> None: ...
     def forward(self, input: Union[Tensor, Tuple[Tensor, ...]],
                 training: bool) -> Union[Tensor, Tuple[Tensor, ...]]: ...
     def train_step(self, input: Optional[Union[Tensor, Tuple[Tensor, ...]]],
@@ -19,6 +21,8 @@ class Engine:
     def eval_step(self, input: Optional[Union[Tensor, Tuple[Tensor, ...]]]
                   ) -> Optional[Union[Tensor, Tuple[Tensor, ...]]]: ...
     tracing: bool
+    handoffs: str  # 'in-process', 'tagged' (Gloo) or 'ordered' (NCCL)
+    intra_op_threads: List[int]
     def trace(self) -> "Trace": ...
     def clear_trace(self) -> None: ...
     trace_capacity: int

@@ -17,8 +17,22 @@ TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
 
 
 def _default_device(group: Any) -> torch.device:
-    del group  # the transport runs over Gloo (see ProcessGroupTransport); stages on CPU
+    # NCCL moves device memory: the stages run on this rank's current GPU
+    # (torchrun: set it with torch.cuda.set_device(local_rank)). Gloo: CPU.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _reverse_group(group: Any) -> Any:
+    # NCCL runs a pair's sends and receives on one in-order queue: hand-offs
+    # to a lower rank (grads) go over a second group of the same ranks, so
+    # that a receive posted early never holds up a send the other way.
+    # Gloo matches by tag and needs none.
+    if dist.get_backend(group) != "nccl" or dist.get_world_size(group) == 1:
+        return None
+    return dist.new_group(dist.get_process_group_ranks(group), backend="nccl",
+                          use_local_synchronization=True)
 
 
 class Pipe(nn.Module):
@@ -50,9 +64,11 @@ class Pipe(nn.Module):
         dp_group: the group of this rank's data-parallel replicas (same
             stages on every member); grads are averaged over it after each
             step. None: no data parallelism.
-        device: where this rank's stages run (default: CPU). The group must
-            be a Gloo group for now (NCCL is refused with a message saying
-            so); with a CUDA device, tensors travel through the host.
+        device: where this rank's stages run (default: this rank's current
+            GPU over NCCL, else CPU). Over Gloo, CUDA tensors travel through
+            the host. Over NCCL the pipe makes a second group of the same
+            ranks for hand-offs to lower ranks (every rank of ``group``
+            builds its pipe, so they make it together).
 
     Attributes:
         rank: this rank's index in ``group``.
@@ -91,6 +107,7 @@ class Pipe(nn.Module):
             raise ValueError(f"virtual_stages must be at least 1, got {self.virtual_stages}")
         self.group = group if group is not None else dist.group.WORLD
         self.dp_group = dp_group
+        self._reverse_group = _reverse_group(self.group)
         ranks = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         balance = _parse_balance(balance)
@@ -129,7 +146,9 @@ class Pipe(nn.Module):
                                  intra_op_threads=-1, virtual_stages=self.virtual_stages,
                                  schedule=self.schedule,
                                  skip_routes=routes,
-                                 group=self.group.group_name)
+                                 group=self.group.group_name,
+                                 reverse_group=(self._reverse_group.group_name
+                                                if self._reverse_group is not None else ""))
 
     def _check_step(self, input: Optional[TensorOrTensors], what: str) -> None:
         if self.is_first:

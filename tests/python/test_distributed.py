@@ -33,13 +33,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(scenario: str, world: int = WORLD) -> dict:
-    """Runs ``scenario`` on ``world`` processes; returns {rank: [result, ...]}."""
+def _spawn(scenario: str, world: int = WORLD, handoffs: str = "tagged") -> dict:
+    """Runs ``scenario`` on ``world`` processes with hand-offs matched by tag (Gloo's way) or
+    by order (NCCL's, over Gloo here: GPIPE_HANDOFFS=ordered); returns {rank: [result, ...]}."""
     port = _free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", GPIPE_HANDOFFS=handoffs)
         env["PYTHONPATH"] = os.pathsep.join(sys.path)
         procs.append(subprocess.Popen([sys.executable, __file__, scenario], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -93,6 +94,30 @@ def _with_skips() -> nn.Sequential:
 
 
 
+class _Spread(nn.Module):
+    def forward(self, x):
+        return tuple(torch.tanh(x + k).unsqueeze(1) for k in range(8))
+
+
+class _Each(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, xs):
+        return tuple(self.linear(t) for t in xs)
+
+
+class _Gather(nn.Module):
+    def forward(self, xs):
+        return torch.stack(xs).sum(0).squeeze(1)
+
+
+def _wide() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(_Spread(), *[_Each() for _ in range(6)], _Gather()).double()
+
+
 def _report(**fields) -> None:
     print("RESULT " + json.dumps(fields), flush=True)
 
@@ -140,7 +165,8 @@ def _check_step(name: str, model: nn.Sequential, pipe, x, y, single=None) -> Non
         else:
             assert loss is None
     _report(check=name, grad_error=worst, loss_error=loss_error,
-            params=[n for n, _ in pipe.named_parameters()], stages=pipe.stages)
+            params=[n for n, _ in pipe.named_parameters()], stages=pipe.stages,
+            handoffs=pipe._engine.handoffs)
 
 
 def _worker_train() -> None:
@@ -168,12 +194,20 @@ def _worker_train() -> None:
                                       chunks=4, schedule=schedule, virtual_stages=v)
         _check_step(f"skips-{schedule}", model, pipe, x, y)
 
-    # Shapes change between steps: a sequence length of 3, then 5.
+    # Shapes change between steps: sequence lengths 3, 5, 5, 3 (a step with
+    # last step's shapes, one with others).
     model = _mlp(8)
     pipe = gpipe.distributed.Pipe(model, [2, 2, 2, 2], chunks=4, schedule="1f1b")
-    xs = [torch.randn(8, n, 6, dtype=torch.double) for n in (3, 5)]
-    ys = [torch.randn(8, n, 6, dtype=torch.double) for n in (3, 5)]
+    xs = [torch.randn(8, n, 6, dtype=torch.double) for n in (3, 5, 5, 3)]
+    ys = [torch.randn(8, n, 6, dtype=torch.double) for n in (3, 5, 5, 3)]
     _check_step("shapes", model, pipe, xs, ys)
+
+    # Tuples of 8 values between stages: a header longer than one message.
+    model = _wide()
+    pipe = gpipe.distributed.Pipe(model, [2, 2, 2, 2], chunks=4, schedule="1f1b")
+    xs = [torch.randn(n, 6, dtype=torch.double) for n in (12, 12, 8)]
+    ys = [torch.randn(n, 6, dtype=torch.double) for n in (12, 12, 8)]
+    _check_step("wide", model, pipe, xs, ys)
 
     # Pipelined inference on the last rank.
     out = pipe.eval_step(x if pipe.is_first else None)
@@ -310,9 +344,11 @@ def _worker_fail() -> None:
 # ---- the tests -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def train():
-    return _spawn("train")
+@pytest.fixture(scope="module", params=["tagged", "ordered"])
+def train(request):
+    run = _spawn("train", handoffs=request.param)
+    run["handoffs"] = request.param
+    return run
 
 
 def _results(run, check):
@@ -329,6 +365,7 @@ def test_grads_equal_sequential(train, schedule):
     for rank, r in results.items():
         assert r["grad_error"] <= 1e-10, (rank, r)
         assert r["loss_error"] <= 1e-10, (rank, r)
+        assert r["handoffs"] == train["handoffs"], (rank, r)
     # Every parameter on exactly one rank, under the Sequential's names.
     names = sorted(n for r in results.values() for n in r["params"])
     v = 2 if schedule == "interleaved_1f1b" else 1
@@ -349,6 +386,12 @@ def test_skips_between_ranks(train, schedule):
 
 def test_shapes_change_between_steps(train):
     for rank, r in _results(train, "shapes").items():
+        assert r["grad_error"] <= 1e-10, (rank, r)
+        assert r["loss_error"] <= 1e-10, (rank, r)
+
+
+def test_tuples_with_long_headers(train):
+    for rank, r in _results(train, "wide").items():
         assert r["grad_error"] <= 1e-10, (rank, r)
         assert r["loss_error"] <= 1e-10, (rank, r)
 
@@ -393,8 +436,9 @@ def test_pipeline_times_data_parallel():
     assert run["codes"] == [0] * WORLD, run["logs"]
 
 
-def test_failing_rank_stops_every_rank():
-    run = _spawn("fail")
+@pytest.mark.parametrize("handoffs", ["tagged", "ordered"])
+def test_failing_rank_stops_every_rank(handoffs):
+    run = _spawn("fail", handoffs=handoffs)
     raised = _results({"results": {2: run["results"][2]}, "logs": run["logs"]}, "raised")[2]
     failures = _results(run, "failure")
     for rank, r in failures.items():
