@@ -259,6 +259,10 @@ void ProcessGroupTransport::begin(int64_t microbatches, const Handoffs& handoffs
   cancelled_.store(false);
   peer_failure_.reset();
   local_.emplace(stages_, microbatches, static_cast<int64_t>(routes_.size()));
+  if (ordered_ && !connected_ && size_ > 1) {
+    connect();
+    connected_ = true;
+  }
   std::lock_guard<std::mutex> hold(mutex_);
   TORCH_INTERNAL_ASSERT(headers_.empty() && sent_works_.empty());
   owed_.clear();
@@ -630,6 +634,44 @@ void ProcessGroupTransport::drop_channels() {
 
 c10d::ProcessGroup& ProcessGroupTransport::lane_group(int from, int to) const {
   return from < to ? *group_ : *reverse_;
+}
+
+void ProcessGroupTransport::connect() {
+  // NCCL connects a pair at its first message, blocking both ends until
+  // the other one comes: a receive posted early to one peer could then
+  // wait for a peer that waits on another pair. So the first step connects
+  // every pair that will talk, on both groups, one pair after the other in
+  // one order all ranks share (the earliest unfinished pair always has
+  // both its ranks at it).
+  std::set<std::pair<int, int>> pairs;
+  auto talk = [&](int64_t from, int64_t to) {
+    const int a = owner(from);
+    const int b = owner(to);
+    if (a != b) pairs.insert({std::min(a, b), std::max(a, b)});
+  };
+  for (int64_t s = 0; s + 1 < stages_; ++s) talk(s, s + 1);
+  for (const auto& route : routes_) talk(route.from, route.to);
+  for (const bool up : {true, false}) {
+    for (const auto& [low, high] : pairs) {
+      if (low != rank_ && high != rank_) continue;
+      // Each group carries one way: the pipeline group up, the reverse one down.
+      const int from = up ? low : high;
+      const int to = up ? high : low;
+      std::vector<Pending> out;
+      if (from == rank_) {
+        send_tensor(at::zeros({1}, at::kLong), to, 0, out);
+      } else {
+        Pending p;
+        p.tensors = {wire_tensor(1)};
+        p.work = lane_group(from, to).recv(p.tensors, from, 0);
+        out.push_back(std::move(p));
+      }
+      const int peer = from == rank_ ? to : from;
+      TORCH_CHECK(wait(out[0], peer, "the first message between ranks " + std::to_string(from) +
+                                         " and " + std::to_string(to)),
+                  "gpipe: rank ", rank_, " was cancelled while connecting to rank ", peer);
+    }
+  }
 }
 
 void ProcessGroupTransport::ordered_begin(const Handoffs& handoffs) {

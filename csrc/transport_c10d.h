@@ -42,7 +42,13 @@
 // right behind the header. A message for an address nobody asked for yet
 // waits in an inbox. On a GPU the receives run on a side stream; the
 // payload carries its ready event (streams.h), and only the header is
-// read on the host (polled, so a cancel still wakes the wait).
+// read on the host (polled, so a cancel still wakes the wait). NCCL
+// connects a pair at its first message, blocking both ends: the first step
+// first connects every pair that will talk, in one order all ranks share
+// (`connect`). Each channel has a queue of its own only where NCCL gives
+// each pair its own communicator (its default, lazy connection); a group
+// bound to a device at init (eager) runs all of its point-to-point
+// messages on one queue, which serializes the hand-offs.
 //
 // Failure: a rank whose task fails calls `fail`, which sends a failure header
 // (origin rank and its message) to every address it still owes (ordered: to
@@ -164,6 +170,9 @@ class ProcessGroupTransport final : public Transport {
   /// The group a hand-off from rank `from` to rank `to` travels on.
   c10d::ProcessGroup& lane_group(int from, int to) const;
   void ordered_begin(const Handoffs& handoffs);
+  /// Ordered mode, before the first step: a message each way between every
+  /// pair of ranks that will talk, in one order all ranks share.
+  void connect();
   /// Buries every receive the channels posted; empties them and the inbox.
   void drop_channels();
   void ordered_send(const Address& to, int dst, Batch batch);
@@ -186,6 +195,7 @@ class ProcessGroupTransport final : public Transport {
   c10::Device device_;
   bool gloo_;
   bool ordered_ = false;
+  bool connected_ = false;
   // Where this rank waits for receives on an accelerator (ordered mode).
   std::optional<c10::Stream> side_;
   int64_t microbatches_ = 0;

@@ -402,8 +402,9 @@ def test_eval_step(train):
     assert train["codes"] == [0] * WORLD, train["logs"]
 
 
-def test_errors_name_value_and_fix():
-    run = _spawn("errors")
+@pytest.mark.parametrize("handoffs", ["tagged", "ordered"])
+def test_errors_name_value_and_fix(handoffs):
+    run = _spawn("errors", handoffs=handoffs)
     expected = {
         "input": (0, "ValueError: rank 0 holds stage 0, so train_step needs the input here: "
                      "pass train_step(x if pipe.is_first else None, ...)"),
