@@ -227,7 +227,7 @@ class World : public std::enable_shared_from_this<World> {
       }
       return false;
     };
-    take(recvs_) || take(sends_);
+    if (!take(recvs_)) take(sends_);
     for (auto& [key, queue] : queues_) {
       for (auto it = queue.begin(); it != queue.end(); ++it) {
         if (it->work.get() != work) continue;
@@ -385,7 +385,7 @@ class FakeBackend final : public c10d::Backend {
                                            const c10d::AllreduceOptions& opts) override {
     TORCH_CHECK(tensors.size() == 1, "fake process group: allreduce takes one tensor, got ",
                 tensors.size());
-    TORCH_CHECK(opts.reduceOp == c10d::ReduceOp::SUM,
+    TORCH_CHECK(static_cast<c10d::ReduceOp::RedOpType>(opts.reduceOp) == c10d::ReduceOp::SUM,
                 "fake process group: allreduce sums only; pass ReduceOp::SUM");
     return world_->collective(getRank(), "allreduce", tensors[0]);
   }
