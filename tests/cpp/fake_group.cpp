@@ -338,7 +338,7 @@ class World : public std::enable_shared_from_this<World> {
 };
 
 bool FakeWork::wait(std::chrono::milliseconds timeout) {
-  const auto limit = timeout == c10d::kNoTimeout ? timeout_ : timeout;
+  const auto limit = timeout == ::kNoTimeout ? timeout_ : timeout;
   {
     std::unique_lock<std::mutex> hold(lock_);
     if (done_.wait_for(hold, limit, [&] { return state_ != State::Pending; })) {
@@ -352,6 +352,7 @@ bool FakeWork::wait(std::chrono::milliseconds timeout) {
                                limit.count(), " ms: ",
                                world ? world->stall(this) : std::string("its world is gone"),
                                "; a deadlock, or a rank that never issued its side"));
+  return false;  // not reached
 }
 
 void FakeWork::abort() {
