@@ -1,10 +1,9 @@
 // distributed_pipe.cpp — DistributedPipeImpl: checks the options, keeps this rank's layers, runs the engine over the group.
 #include <gpipe/distributed_pipe.h>
 
-#include <gpipe/skip.h>
-
 #include "check.h"
 #include "engine.h"
+#include "sequential_layers.h"
 #include "stage.h"
 
 #include <ATen/core/grad_mode.h>
@@ -16,32 +15,6 @@
 #include <string>
 
 namespace gpipe {
-
-namespace {
-
-// One stage's layers run in order, one tensor through (no skips yet: the
-// constructor refuses skippable layers).
-class ChainLayers : public detail::Layers {
- public:
-  explicit ChainLayers(std::vector<torch::nn::AnyModule> modules) : modules_(std::move(modules)) {}
-
-  detail::Batch forward(const detail::Batch& input) override {
-    TORCH_CHECK(input.atomic && input.size() == 1, "gpipe::DistributedPipe hands one tensor "
-                "between stages, got ", input.size());
-    torch::nn::AnyValue value = modules_[0].any_forward(input[0]);
-    for (size_t n = 1; n < modules_.size(); ++n) value = modules_[n].any_forward(std::move(value));
-    auto* t = value.try_get<torch::Tensor>();
-    TORCH_CHECK(t != nullptr, "a stage's last layer returned a value of type ",
-                value.type_info().name(), "; gpipe::DistributedPipe hands one torch::Tensor "
-                "between stages");
-    return detail::Batch(*t);
-  }
-
- private:
-  std::vector<torch::nn::AnyModule> modules_;
-};
-
-}  // namespace
 
 DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
                                          DistributedPipeOptions options)
@@ -67,6 +40,9 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
                     " layers; pass one entry per stage summing to ", sequential->size());
   GPIPE_CHECK_VALUE(options_.chunks() >= 1, "chunks must be at least 1, got ", options_.chunks());
 
+  // Every rank lays out the skips of the whole Sequential, so all agree on
+  // the routes; its stages take and give those of their own.
+  auto skips = detail::skip_layout(sequential, balance);
   std::vector<int64_t> starts(static_cast<size_t>(stages), 0);
   for (int64_t s = 1; s < stages; ++s) starts[s] = starts[s - 1] + balance[s - 1];
   const auto children = sequential->named_children();
@@ -77,14 +53,13 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
     for (int64_t k = starts[s]; k < starts[s] + balance[s]; ++k) {
       const auto& any = *std::next(sequential->begin(), k);
       const auto layer = any.ptr();
-      GPIPE_CHECK_VALUE(dynamic_cast<const Skippable*>(layer.get()) == nullptr,
-                        "layer ", k, " is skippable, but gpipe::DistributedPipe has no skips "
-                        "yet; use gpipe.distributed.Pipe from Python, or gpipe::Pipe");
       layer->to(options_.device());
       register_module(children[static_cast<size_t>(k)].key(), layer);
       layers.push_back(any);
     }
-    parts.push_back(std::make_unique<ChainLayers>(std::move(layers)));
+    parts.push_back(std::make_unique<detail::SequentialLayers>(
+        std::move(layers), starts[s], std::move(skips.arriving[static_cast<size_t>(s)]),
+        std::move(skips.leaving[static_cast<size_t>(s)])));
   }
   is_first_ = stages_.front() == 0;
   is_last_ = stages_.back() == stages - 1;
@@ -93,31 +68,53 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
       options_.chunks(), options_.checkpoint(), /*intra_op_threads=*/-1, v,
       detail::plan_kind(options_.schedule()),
       detail::Groups{group, options_.reverse_group(), /*data=*/{}});
+  engine_->set_skip_routes(std::move(skips.routes));
 }
 
 DistributedPipeImpl::~DistributedPipeImpl() = default;
 
+torch::Tensor DistributedPipeImpl::run_train_step(detail::Batch input, detail::Batch target,
+                                                  const detail::LossFn& fn, const char* name) {
+  if (is_first_ && input.values.empty()) {
+    const std::string what = "rank " + std::to_string(rank_) + " holds stage 0, so " + name +
+                             " needs the input here";
+    engine_->abandon_step(what, /*training_step=*/true);
+    detail::throw_value_error(what);
+  }
+  if (is_last_ && target.values.empty()) {
+    const std::string what = "rank " + std::to_string(rank_) + " holds the last stage, so " +
+                             name + " needs the target here";
+    engine_->abandon_step(what, /*training_step=*/true);
+    detail::throw_value_error(what);
+  }
+  return engine_->train_step(is_first_ ? std::move(input) : detail::Batch(),
+                             is_last_ ? std::move(target) : detail::Batch(), fn, is_training());
+}
+
 torch::Tensor DistributedPipeImpl::train_step(const torch::Tensor& input,
                                               const torch::Tensor& target, const LossFn& loss_fn) {
   const detail::LossFn fn = [&](const detail::Batch& out, const detail::Batch& t) {
+    GPIPE_CHECK_VALUE(out.atomic && out.size() == 1, "the last stage's last layer returned ",
+                      out.size(), " tensors; call train_step_tuple to get them all");
     return loss_fn(out[0], t[0]);
   };
   auto batch = [](const torch::Tensor& t) { return t.defined() ? detail::Batch(t) : detail::Batch(); };
-  if (is_first_ && !input.defined()) {
-    const std::string what = "rank " + std::to_string(rank_) + " holds stage 0, so train_step "
-                             "needs the input here";
-    engine_->abandon_step(what, /*training_step=*/true);
-    detail::throw_value_error(what);
-  }
-  if (is_last_ && !target.defined()) {
-    const std::string what = "rank " + std::to_string(rank_) + " holds the last stage, so "
-                             "train_step needs the target here";
-    engine_->abandon_step(what, /*training_step=*/true);
-    detail::throw_value_error(what);
-  }
-  torch::Tensor loss = engine_->train_step(is_first_ ? batch(input) : detail::Batch(),
-                                           is_last_ ? batch(target) : detail::Batch(), fn,
-                                           is_training());
+  torch::Tensor loss = run_train_step(batch(input), batch(target), fn, "train_step");
+  if (options_.dp_group()) average_grads();
+  return loss;
+}
+
+torch::Tensor DistributedPipeImpl::train_step_tuple(std::vector<torch::Tensor> inputs,
+                                                    std::vector<torch::Tensor> targets,
+                                                    const TupleLossFn& loss_fn) {
+  const detail::LossFn fn = [&](const detail::Batch& out, const detail::Batch& t) {
+    return loss_fn(out.values, t.values);
+  };
+  auto batch = [](std::vector<torch::Tensor> ts) {
+    return ts.empty() ? detail::Batch() : detail::Batch(std::move(ts), /*is_atomic=*/false);
+  };
+  torch::Tensor loss =
+      run_train_step(batch(std::move(inputs)), batch(std::move(targets)), fn, "train_step_tuple");
   if (options_.dp_group()) average_grads();
   return loss;
 }
@@ -126,7 +123,18 @@ torch::Tensor DistributedPipeImpl::eval_step(const torch::Tensor& input) {
   at::NoGradGuard no_grad;
   detail::Batch out = engine_->eval_step(is_first_ && input.defined() ? detail::Batch(input)
                                                                       : detail::Batch());
-  return out.values.empty() ? torch::Tensor() : out[0];
+  if (out.values.empty()) return torch::Tensor();
+  GPIPE_CHECK_VALUE(out.atomic && out.size() == 1, "the last stage's last layer returned ",
+                    out.size(), " tensors; call eval_step_tuple to get them all");
+  return out[0];
+}
+
+std::vector<torch::Tensor> DistributedPipeImpl::eval_step_tuple(std::vector<torch::Tensor> inputs) {
+  at::NoGradGuard no_grad;
+  detail::Batch out = engine_->eval_step(is_first_ && !inputs.empty()
+                                             ? detail::Batch(std::move(inputs), /*is_atomic=*/false)
+                                             : detail::Batch());
+  return out.values;
 }
 
 void DistributedPipeImpl::average_grads() {

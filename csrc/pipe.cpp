@@ -2,11 +2,11 @@
 #include <gpipe/pipe.h>
 
 #include <gpipe/balance.h>
-#include <gpipe/skip.h>
 
 #include "check.h"
 #include "engine.h"
 #include "microbatch.h"
+#include "sequential_layers.h"
 #include "stage.h"
 
 #include <c10/util/Exception.h>
@@ -20,86 +20,6 @@
 namespace gpipe {
 
 namespace {
-
-// One stage's slice of the Sequential, run like Sequential::forward runs it.
-// With skips, the input holds the main values and then one per skip arriving
-// here, and the output the main values and then one per skip leaving (see
-// SkipRoute); the layers stash and pop through a tracker of this call's own.
-class SequentialLayers : public detail::Layers {
- public:
-  SequentialLayers(std::vector<torch::nn::AnyModule> modules, int64_t first_index,
-                   std::vector<SkipKey> arriving, std::vector<SkipKey> leaving)
-      : modules_(std::move(modules)),
-        first_index_(first_index),
-        arriving_(std::move(arriving)),
-        leaving_(std::move(leaving)) {
-    for (const auto& m : modules_) {
-      skippables_.push_back(dynamic_cast<const Skippable*>(m.ptr().get()));
-      any_skippable_ = any_skippable_ || skippables_.back() != nullptr;
-    }
-  }
-
-  detail::Batch forward(const detail::Batch& input) override {
-    if (!any_skippable_) return run(input);
-    SkipTracker tracker;
-    const size_t main = input.size() - arriving_.size();
-    for (size_t k = 0; k < arriving_.size(); ++k) tracker.save(arriving_[k], input[main + k]);
-    UseSkipTracker use(tracker);
-    detail::Batch out = run(detail::Batch(
-        std::vector<at::Tensor>(input.values.begin(),
-                                input.values.begin() + static_cast<std::ptrdiff_t>(main)),
-        input.atomic), &tracker);
-    for (const auto& key : leaving_) {
-      TORCH_INTERNAL_ASSERT(tracker.contains(key), "skip '", key.name, "' was not stashed");
-      out.values.push_back(tracker.load(key));
-    }
-    TORCH_INTERNAL_ASSERT(tracker.size() == 0, "a skip stayed in its stage unpopped");
-    return out;
-  }
-
- private:
-  detail::Batch run(const detail::Batch& input, SkipTracker* tracker = nullptr) {
-    torch::nn::AnyValue value =
-        input.atomic ? modules_[0].any_forward(input[0]) : modules_[0].any_forward(input.values);
-    if (tracker != nullptr) check(0, *tracker);
-    for (size_t n = 1; n < modules_.size(); ++n) {
-      value = modules_[n].any_forward(std::move(value));
-      if (tracker != nullptr) check(n, *tracker);
-    }
-    if (auto* t = value.try_get<torch::Tensor>()) return detail::Batch(*t);
-    if (auto* ts = value.try_get<std::vector<torch::Tensor>>()) return detail::Batch(*ts, false);
-    TORCH_CHECK(false, "layer ", first_index_ + static_cast<int64_t>(modules_.size()) - 1,
-                " ends a stage but returned a value of type ", value.type_info().name(),
-                "; a stage's last layer must return torch::Tensor or std::vector<torch::Tensor>");
-  }
-
-  // A Skippable layer stashed and popped all it declares (verify_skippables
-  // paired the declarations; this checks the forward kept them).
-  void check(size_t n, const SkipTracker& tracker) const {
-    const Skippable* layer = skippables_[n];
-    if (layer == nullptr) return;
-    const int64_t index = first_index_ + static_cast<int64_t>(n);
-    for (const auto& name : layer->stash_names()) {
-      TORCH_CHECK(tracker.contains(layer->key(name)), "layer ", index, " (",
-                  detail::short_name(modules_[n].ptr()->name()), ") declares that it stashes '", name,
-                  "' but its forward did not stash it; call stash(\"", name,
-                  "\", tensor) in forward, or drop the name from its SkipNames");
-    }
-    for (const auto& name : layer->pop_names()) {
-      TORCH_CHECK(!tracker.contains(layer->key(name)), "layer ", index, " (",
-                  detail::short_name(modules_[n].ptr()->name()), ") declares that it pops '", name,
-                  "' but its forward did not pop it; call pop(\"", name,
-                  "\") in forward, or drop the name from its SkipNames");
-    }
-  }
-
-  std::vector<torch::nn::AnyModule> modules_;
-  int64_t first_index_;
-  std::vector<SkipKey> arriving_;
-  std::vector<SkipKey> leaving_;
-  std::vector<const Skippable*> skippables_;
-  bool any_skippable_ = false;
-};
 
 template <typename T>
 std::string listed(const std::vector<T>& values) {
@@ -225,28 +145,8 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
   // state_dict keys read "0.weight" as in the Sequential.
   for (const auto& item : sequential_->named_children()) register_module(item.key(), item.value());
 
-  // Skips crossing stages become routes, ordered by (popping stage,
-  // stashing stage, stashing layer); each stage's layers take the arriving
-  // ones and give the leaving ones in that order.
-  std::vector<int64_t> stage_of;
-  for (size_t j = 0; j < stages; ++j) stage_of.insert(stage_of.end(), balance[j], j);
-  std::vector<SkipRouteInfo> crossing;
-  for (auto& info : verify_skippables(sequential_)) {
-    if (stage_of[info.stash_layer] != stage_of[info.pop_layer]) crossing.push_back(info);
-  }
-  std::stable_sort(crossing.begin(), crossing.end(), [&](const auto& a, const auto& b) {
-    return std::pair(stage_of[a.pop_layer], stage_of[a.stash_layer]) <
-           std::pair(stage_of[b.pop_layer], stage_of[b.stash_layer]);
-  });
-  std::vector<detail::SkipRoute> routes;
-  std::vector<std::vector<SkipKey>> arriving(stages), leaving(stages);
-  for (const auto& info : crossing) {
-    const int64_t from = stage_of[info.stash_layer];
-    const int64_t to = stage_of[info.pop_layer];
-    routes.push_back(detail::SkipRoute{from, to});
-    leaving[from].push_back(info.key);
-    arriving[to].push_back(info.key);
-  }
+  // Skips crossing stages become routes (see detail::SkipLayout).
+  auto skips = detail::skip_layout(sequential_, balance);
 
   std::vector<std::unique_ptr<detail::Layers>> parts;
   int64_t offset = 0;
@@ -257,16 +157,15 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
       it->ptr()->to(stage_devices[j]);
       modules.push_back(*it);
     }
-    parts.push_back(std::make_unique<SequentialLayers>(std::move(modules), offset,
-                                                       std::move(arriving[j]),
-                                                       std::move(leaving[j])));
+    parts.push_back(std::make_unique<detail::SequentialLayers>(
+        std::move(modules), offset, std::move(skips.arriving[j]), std::move(skips.leaving[j])));
     offset += balance[j];
   }
   engine_ = std::make_shared<detail::Engine>(std::move(parts), stage_devices, options_.chunks(),
                                              options_.checkpoint(), options_.intra_op_threads(),
                                              v, detail::plan_kind(options_.schedule()));
   engine_->set_batch_dims(options_.batch_dim(), options_.output_batch_dim());
-  engine_->set_skip_routes(std::move(routes));
+  engine_->set_skip_routes(std::move(skips.routes));
   engine_->tracer().set_capacity(options_.trace_capacity());
   engine_->tracer().enable(options_.trace());
 }

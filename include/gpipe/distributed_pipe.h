@@ -19,6 +19,7 @@ namespace gpipe {
 
 namespace detail {
 class Engine;
+struct Batch;
 }  // namespace detail
 
 /// Options of a `DistributedPipe`.
@@ -59,7 +60,8 @@ struct DistributedPipeOptions {
 /// ranks of a process group, one step at a time over every rank (the same
 /// engine and plans as `Pipe::train_step`; hand-offs by c10d isend/irecv).
 /// Rank r keeps the layers of its stages, under the Sequential's names, and
-/// drops the others.
+/// drops the others. Stages run as `Pipe`'s do: tuples between stages, and
+/// `gpipe::Skippable` layers with skips across ranks.
 ///
 /// Example:
 /// ```
@@ -86,6 +88,20 @@ class DistributedPipeImpl : public torch::nn::Module {
   /// rank, undefined elsewhere.
   torch::Tensor eval_step(const torch::Tensor& input);
 
+  /// `loss_fn(outputs, targets)` of one micro-batch, for a Sequential that
+  /// takes or returns several tensors: a scalar, mean-reduced over its rows.
+  using TupleLossFn = std::function<torch::Tensor(const std::vector<torch::Tensor>& outputs,
+                                                  const std::vector<torch::Tensor>& targets)>;
+  /// `train_step` for several input tensors (the first layer takes
+  /// std::vector<torch::Tensor>) and several outputs and targets, each cut
+  /// into micro-batches along dim 0: `inputs` on the first stage's rank,
+  /// `targets` on the last's (empty elsewhere).
+  torch::Tensor train_step_tuple(std::vector<torch::Tensor> inputs,
+                                 std::vector<torch::Tensor> targets, const TupleLossFn& loss_fn);
+  /// `eval_step` for several inputs and outputs: every output on the last
+  /// stage's rank, empty elsewhere.
+  std::vector<torch::Tensor> eval_step_tuple(std::vector<torch::Tensor> inputs);
+
   /// This rank's index in the group.
   int64_t rank() const noexcept { return rank_; }
   /// The indices of the stages this rank holds.
@@ -98,6 +114,12 @@ class DistributedPipeImpl : public torch::nn::Module {
   const DistributedPipeOptions& options() const noexcept { return options_; }
 
  private:
+  /// A training step with batches (empty where this rank has no input or
+  /// target); `name` is the public call, for errors.
+  torch::Tensor run_train_step(detail::Batch input, detail::Batch target,
+                               const std::function<torch::Tensor(const detail::Batch&,
+                                                                 const detail::Batch&)>& fn,
+                               const char* name);
   void average_grads();
 
   DistributedPipeOptions options_;

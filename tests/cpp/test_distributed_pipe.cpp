@@ -1,9 +1,21 @@
-// test_distributed_pipe.cpp — gpipe::DistributedPipe on a group of one rank (every stage local; the multi-rank runs are tests/python/test_distributed.py's).
+// test_distributed_pipe.cpp — gpipe::DistributedPipe over 1, 2 and 4 ranks (threads on fake process groups): every schedule and checkpoint mode equals gpipe::Pipe and the plain Sequential; skips across ranks; eval; failures reach every rank.
 #include <gpipe/distributed_pipe.h>
 
+#include "fake_group.h"
 #include "models.h"
 
+#include <map>
+#include <sstream>
+
+using namespace gpipe_test;
+using gpipe::Checkpoint;
+using gpipe::Schedule;
+
 namespace {
+
+using namespace std::chrono_literals;
+
+constexpr int64_t kWidth = 6;
 
 torch::nn::Sequential mlp() {
   torch::manual_seed(0);
@@ -15,6 +27,270 @@ torch::nn::Sequential mlp() {
 
 c10::intrusive_ptr<c10d::ProcessGroup> one_rank() {
   return c10::make_intrusive<c10d::ProcessGroup>(/*rank=*/0, /*size=*/1);
+}
+
+/// tanh(Linear(x)); stashes x under `name`.
+class StashImpl : public torch::nn::Cloneable<StashImpl>, public gpipe::Skippable {
+ public:
+  explicit StashImpl(std::string name) : gpipe::Skippable({.stash = {name}}), name_(std::move(name)) {
+    reset();
+  }
+  void reset() override {
+    linear = register_module("linear", torch::nn::Linear(kWidth, kWidth));
+    linear->to(torch::kFloat64);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    stash(name_, x);
+    return torch::tanh(linear(x));
+  }
+  torch::nn::Linear linear{nullptr};
+
+ private:
+  std::string name_;
+};
+TORCH_MODULE(Stash);
+
+/// tanh(Linear(x)) + what `name` carried, halved.
+class PopImpl : public torch::nn::Cloneable<PopImpl>, public gpipe::Skippable {
+ public:
+  explicit PopImpl(std::string name) : gpipe::Skippable({.pop = {name}}), name_(std::move(name)) {
+    reset();
+  }
+  void reset() override {
+    linear = register_module("linear", torch::nn::Linear(kWidth, kWidth));
+    linear->to(torch::kFloat64);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(linear(x)) + 0.5 * pop(name_); }
+  torch::nn::Linear linear{nullptr};
+
+ private:
+  std::string name_;
+};
+TORCH_MODULE(Pop);
+
+/// Throws in forward.
+class FailingImpl : public torch::nn::Cloneable<FailingImpl> {
+ public:
+  void reset() override {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    throw std::runtime_error("layer failed on purpose");
+    return x;
+  }
+};
+TORCH_MODULE(Failing);
+
+// Eight layers, so that every layout of 2 or 4 ranks x 1 or 2 virtual
+// stages has whole layers per stage.
+torch::nn::Sequential eight_layers() {
+  torch::manual_seed(3);
+  torch::nn::Sequential model;
+  for (int k = 0; k < 4; ++k) {
+    model->push_back(torch::nn::Linear(kWidth, kWidth));
+    model->push_back(torch::nn::Tanh());
+  }
+  model->to(torch::kFloat64);
+  return model;
+}
+
+// Residual-style skips: 0 -> 3 and 2 -> 6, each crossing ranks in every
+// layout but one stage (8 stages of one layer: every skip crosses).
+torch::nn::Sequential eight_with_skips() {
+  torch::manual_seed(4);
+  torch::nn::Sequential model(Stash("a"), torch::nn::Tanh(), Stash("b"), Pop("a"),
+                              torch::nn::Tanh(), torch::nn::Linear(kWidth, kWidth), Pop("b"),
+                              torch::nn::Tanh());
+  model->to(torch::kFloat64);
+  return model;
+}
+
+// A copy of `model`, safe off the main thread (deep_copy REQUIREs).
+torch::nn::Sequential copy_of(const torch::nn::Sequential& model) {
+  return torch::nn::Sequential(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->clone()));
+}
+
+torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& t) { return torch::mse_loss(out, t); }
+
+// What one rank's step gave.
+struct RankResult {
+  torch::Tensor loss;
+  torch::Tensor eval;
+  std::map<std::string, torch::Tensor> grads;
+  bool first = false;
+  bool last = false;
+};
+
+struct Layout {
+  int ranks;
+  Schedule schedule;
+  int64_t virtual_stages;
+  Checkpoint checkpoint;
+};
+
+std::string describe(const Layout& l, bool skips) {
+  std::ostringstream s;
+  s << l.ranks << " ranks, " << l.schedule << ", virtual_stages " << l.virtual_stages << ", "
+    << l.checkpoint << (skips ? ", skips" : "");
+  return s.str();
+}
+
+// Groups for one run: the pipeline's, and (for NCCL-like matching) a reverse.
+struct FakeGroups {
+  std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> pipeline;
+  std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> reverse;  // empty: none
+};
+
+FakeGroups fake_groups(int ranks, FakeMatching matching, std::chrono::milliseconds timeout = 20s) {
+  FakeGroups g;
+  g.pipeline = make_fake_groups(ranks, matching, timeout);
+  if (matching == FakeMatching::ByOrder) g.reverse = make_fake_groups(ranks, matching, timeout);
+  return g;
+}
+
+gpipe::DistributedPipeOptions options_for(const Layout& l, const std::vector<int64_t>& balance,
+                                          int64_t chunks, const FakeGroups& groups, int rank) {
+  auto options = gpipe::DistributedPipeOptions(balance)
+                     .chunks(chunks)
+                     .schedule(l.schedule)
+                     .virtual_stages(l.virtual_stages)
+                     .checkpoint(l.checkpoint)
+                     .group(groups.pipeline[static_cast<size_t>(rank)]);
+  if (!groups.reverse.empty()) options.reverse_group(groups.reverse[static_cast<size_t>(rank)]);
+  return options;
+}
+
+// Every layout, schedule and mode: each rank's grads and the loss equal
+// gpipe::Pipe's train_step and the plain Sequential's loss.backward(); the
+// last rank's eval_step equals the Sequential's forward.
+void check_equal_to_pipe_and_plain(FakeMatching matching) {
+  const int64_t chunks = 3;  // 7 rows: micro-batches of 3, 2, 2
+  for (bool skips : {false, true}) {
+    const auto model = skips ? eight_with_skips() : eight_layers();
+    for (int ranks : {2, 4}) {
+      for (auto [schedule, v] : {std::pair{Schedule::GPipe, 1}, std::pair{Schedule::OneFOneB, 1},
+                                 std::pair{Schedule::Interleaved1F1B, 2},
+                                 std::pair{Schedule::ZBH1, 1}}) {
+        for (auto mode : {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
+          const Layout layout{ranks, schedule, v, mode};
+          INFO(describe(layout, skips));
+          const int64_t stages = ranks * v;
+          const std::vector<int64_t> balance(static_cast<size_t>(stages), 8 / stages);
+          torch::manual_seed(5);
+          const auto x = randn64({7, kWidth});
+          const auto y = randn64({7, kWidth});
+
+          auto plain = copy_of(model);
+          auto expected = mse(plain->forward(x), y);
+          expected.backward();
+          torch::Tensor expected_out;
+          {
+            torch::NoGradGuard no_grad;
+            expected_out = plain->forward(x);
+          }
+
+          auto pipe_model = copy_of(model);
+          gpipe::Pipe pipe(pipe_model, gpipe::PipeOptions()
+                                           .balance(balance)
+                                           .devices(std::vector<c10::Device>(
+                                               static_cast<size_t>(ranks), torch::kCPU))
+                                           .chunks(chunks)
+                                           .schedule(schedule)
+                                           .virtual_stages(v)
+                                           .checkpoint(mode));
+          const auto pipe_loss = pipe->train_step(x, y, mse);
+
+          std::vector<torch::nn::Sequential> copies;
+          for (int r = 0; r < ranks; ++r) copies.push_back(copy_of(model));
+          const auto groups = fake_groups(ranks, matching);
+          std::vector<RankResult> results(static_cast<size_t>(ranks));
+          const auto errors = run_ranks(ranks, [&](int rank) {
+            gpipe::DistributedPipe dp(copies[static_cast<size_t>(rank)],
+                                      options_for(layout, balance, chunks, groups, rank));
+            auto& out = results[static_cast<size_t>(rank)];
+            out.first = dp->is_first();
+            out.last = dp->is_last();
+            out.loss = dp->train_step(dp->is_first() ? x : torch::Tensor(),
+                                      dp->is_last() ? y : torch::Tensor(), mse);
+            for (const auto& p : dp->named_parameters()) out.grads[p.key()] = p.value().grad();
+            out.eval = dp->eval_step(dp->is_first() ? x : torch::Tensor());
+          });
+          REQUIRE(errors == std::vector<std::string>(static_cast<size_t>(ranks)));
+
+          const auto plain_params = plain->named_parameters();
+          const auto pipe_params = pipe->named_parameters();
+          size_t seen = 0;
+          for (int r = 0; r < ranks; ++r) {
+            const auto& out = results[static_cast<size_t>(r)];
+            INFO("rank " << r);
+            CHECK(out.first == (r == 0));
+            CHECK(out.last == (r == ranks - 1));
+            if (out.last) {
+              CHECK(max_abs_diff(out.loss, expected.detach()) <= kTolerance);
+              CHECK(max_abs_diff(out.loss, pipe_loss) <= kTolerance);
+              CHECK(max_abs_diff(out.eval, expected_out) <= kTolerance);
+            } else {
+              CHECK_FALSE(out.loss.defined());
+              CHECK_FALSE(out.eval.defined());
+            }
+            for (const auto& [name, grad] : out.grads) {
+              INFO("parameter " << name);
+              REQUIRE(plain_params.contains(name));
+              CHECK(max_abs_diff(grad, plain_params[name].grad()) <= kTolerance);
+              CHECK(max_abs_diff(grad, pipe_params[name].grad()) <= kTolerance);
+            }
+            seen += out.grads.size();
+          }
+          CHECK(seen == plain_params.size());  // every parameter on exactly one rank
+        }
+      }
+    }
+  }
+}
+
+// A failure on one rank fails the step on every rank, naming that rank,
+// within a deadline well under the groups' timeout (no rank waits it out).
+void check_failure_reaches_every_rank(FakeMatching matching) {
+  const int ranks = 4;
+  for (bool in_loss : {true, false}) {
+    INFO((in_loss ? "loss_fn throws on the last rank" : "a layer throws on rank 1"));
+    auto model = eight_layers();
+    // Layer 2 is rank 1's first under {2, 2, 2, 2}.
+    torch::nn::Sequential layers;
+    size_t k = 0;
+    for (const auto& any : *model) {
+      if (!in_loss && k == 2) {
+        layers->push_back(Failing());
+      } else {
+        layers->push_back(any);
+      }
+      ++k;
+    }
+    const int failing = in_loss ? ranks - 1 : 1;
+    std::vector<torch::nn::Sequential> copies;
+    for (int r = 0; r < ranks; ++r) copies.push_back(copy_of(layers));
+    const auto groups = fake_groups(ranks, matching, /*timeout=*/8s);
+    const Layout layout{ranks, Schedule::OneFOneB, 1, Checkpoint::ExceptLast};
+    const auto x = randn64({8, kWidth});
+    const auto start = Clock::now();
+    const auto errors = run_ranks(ranks, [&](int rank) {
+      gpipe::DistributedPipe dp(copies[static_cast<size_t>(rank)],
+                                options_for(layout, {2, 2, 2, 2}, 4, groups, rank));
+      dp->train_step(dp->is_first() ? x : torch::Tensor(), dp->is_last() ? x : torch::Tensor(),
+                     [&](const torch::Tensor& out, const torch::Tensor&) -> torch::Tensor {
+                       if (in_loss) throw std::runtime_error("loss failed on purpose");
+                       return out.sum();
+                     });
+    });
+    CHECK(Clock::now() - start < 6s);
+    for (int r = 0; r < ranks; ++r) {
+      INFO("rank " << r << ": " << errors[static_cast<size_t>(r)]);
+      CHECK_THAT(errors[static_cast<size_t>(r)],
+                 Catch::Contains(in_loss ? "loss failed on purpose" : "layer failed on purpose"));
+      if (r != failing) {
+        CHECK_THAT(errors[static_cast<size_t>(r)],
+                   Catch::Contains("rank " + std::to_string(failing) + " failed"));
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -70,4 +346,28 @@ TEST_CASE("distributed_pipe: bad options name the value and the fix", "[distribu
                        }),
       "the input makes 3 micro-batches but every rank of the pipeline runs chunks=4; give at "
       "least 4 rows");
+}
+
+TEST_CASE("distributed_pipe: 2 and 4 ranks by tag (Gloo-like) equal Pipe and the Sequential, "
+          "every schedule and mode, with and without skips across ranks",
+          "[distributed]") {
+  check_equal_to_pipe_and_plain(FakeMatching::ByTag);
+}
+
+TEST_CASE("distributed_pipe: a failing rank fails every rank by tag (Gloo-like), naming it",
+          "[distributed]") {
+  check_failure_reaches_every_rank(FakeMatching::ByTag);
+}
+
+// NCCL-like matching with a reverse group: needs the transport's ordered
+// hand-off mode (until then the transport refuses a non-Gloo group).
+TEST_CASE("distributed_pipe: 2 and 4 ranks by order (NCCL-like, reverse group) equal Pipe and "
+          "the Sequential, every schedule and mode, with and without skips across ranks",
+          "[distributed][ordered]") {
+  check_equal_to_pipe_and_plain(FakeMatching::ByOrder);
+}
+
+TEST_CASE("distributed_pipe: a failing rank fails every rank by order (NCCL-like), naming it",
+          "[distributed][ordered]") {
+  check_failure_reaches_every_rank(FakeMatching::ByOrder);
 }

@@ -1,6 +1,7 @@
-// test_transport_c10d.cpp — what each rank of a distributed step receives and sends (the process-group transport itself runs in tests/python/test_distributed.py: a group needs processes).
+// test_transport_c10d.cpp — what each rank of a distributed step receives and sends, and the process-group transport itself between ranks as threads (fake groups, by tag and by order).
 #include "../../csrc/transport_c10d.h"
 
+#include "fake_group.h"
 #include "models.h"
 
 #include <map>
@@ -84,4 +85,127 @@ TEST_CASE("transport_c10d: eval's forwards-only plan hands activations only", "[
     CHECK(first.sends[static_cast<size_t>(i)].flow == Flow::Activation);
     CHECK(last.receives[static_cast<size_t>(i)].microbatch == i);
   }
+}
+
+namespace {
+
+using gpipe::detail::Batch;
+using gpipe::detail::Payload;
+using gpipe::detail::ProcessGroupTransport;
+
+// Two ranks, one stage each, two micro-batches: rank 0 hands activations
+// to rank 1, rank 1 hands grads back, for three steps whose shapes change
+// (rows) on step 2 and stay on step 3 (the early receives of last step's
+// shapes, then filler and the changed tensors, then early receives again).
+// Returns each rank's error ("" where it ran through); what arrived is
+// checked against what was sent into `mismatches`.
+std::vector<std::string> round_trips(gpipe_test::FakeMatching matching, bool reverse_group,
+                                     std::vector<std::string>& mismatches) {
+  const auto groups = gpipe_test::make_fake_groups(2, matching, std::chrono::seconds(10));
+  const auto reverse = reverse_group ? gpipe_test::make_fake_groups(2, matching,
+                                                                    std::chrono::seconds(10))
+                                     : groups;
+  const auto plan = make_plan(PlanKind::OneFOneB, 2, 1, 2);
+  std::vector<std::vector<std::string>> wrong(2);
+  auto value = [](int64_t step, int64_t i, Flow flow, int64_t rows) {
+    return torch::full({rows, 3}, step * 100.0 + i * 10.0 + static_cast<double>(flow),
+                       torch::kFloat64);
+  };
+  auto errors = gpipe_test::run_ranks(2, [&](int rank) {
+    ProcessGroupTransport transport(groups[static_cast<size_t>(rank)],
+                                    reverse[static_cast<size_t>(rank)], /*stages=*/2);
+    for (int64_t step = 1; step <= 3; ++step) {
+      const int64_t rows = step == 1 ? 2 : 4;
+      transport.begin(2, plan_handoffs(plan, rank));
+      for (int64_t i = 0; i < 2; ++i) {
+        if (rank == 0) {
+          transport.send({1, Flow::Activation, i}, Payload{Batch(value(step, i, Flow::Activation, rows)), {}});
+        } else {
+          auto got = transport.receive({1, Flow::Activation, i});
+          if (!got || !got->batch[0].equal(value(step, i, Flow::Activation, rows))) {
+            wrong[1].push_back("activation " + std::to_string(step) + "/" + std::to_string(i));
+          }
+        }
+      }
+      for (int64_t i = 0; i < 2; ++i) {
+        if (rank == 1) {
+          transport.send({0, Flow::Grad, i}, Payload{Batch(value(step, i, Flow::Grad, rows)), {}});
+        } else {
+          auto got = transport.receive({0, Flow::Grad, i});
+          if (!got || !got->batch[0].equal(value(step, i, Flow::Grad, rows))) {
+            wrong[0].push_back("grad " + std::to_string(step) + "/" + std::to_string(i));
+          }
+        }
+      }
+      transport.finish();
+    }
+  });
+  for (auto& w : wrong) mismatches.insert(mismatches.end(), w.begin(), w.end());
+  return errors;
+}
+
+// Rank 1 fails before sending its grads: rank 0, waiting for them, fails
+// with an error naming rank 1 and its message, well before the timeout.
+std::vector<std::string> failure_header(gpipe_test::FakeMatching matching, bool reverse_group) {
+  const auto groups = gpipe_test::make_fake_groups(2, matching, std::chrono::seconds(10));
+  const auto reverse = reverse_group ? gpipe_test::make_fake_groups(2, matching,
+                                                                    std::chrono::seconds(10))
+                                     : groups;
+  const auto plan = make_plan(PlanKind::GPipe, 2, 1, 1);
+  return gpipe_test::run_ranks(2, [&](int rank) {
+    ProcessGroupTransport transport(groups[static_cast<size_t>(rank)],
+                                    reverse[static_cast<size_t>(rank)], /*stages=*/2);
+    transport.begin(1, plan_handoffs(plan, rank));
+    if (rank == 0) {
+      transport.send({1, Flow::Activation, 0}, Payload{Batch(torch::ones({2, 2})), {}});
+      transport.receive({0, Flow::Grad, 0});
+      transport.finish();
+    } else {
+      transport.receive({1, Flow::Activation, 0});
+      transport.fail("stage 1 failed on purpose");
+      throw std::runtime_error("stage 1 failed on purpose");
+    }
+  });
+}
+
+}  // namespace
+
+TEST_CASE("transport_c10d: by tag (Gloo-like), hand-offs both ways arrive intact as shapes change",
+          "[transport]") {
+  std::vector<std::string> mismatches;
+  const auto errors = round_trips(gpipe_test::FakeMatching::ByTag, false, mismatches);
+  CHECK(errors == std::vector<std::string>(2));
+  CHECK(mismatches.empty());
+}
+
+TEST_CASE("transport_c10d: by tag (Gloo-like), a failure header names the failing rank",
+          "[transport]") {
+  const auto start = gpipe_test::Clock::now();
+  const auto errors = failure_header(gpipe_test::FakeMatching::ByTag, false);
+  CHECK(gpipe_test::Clock::now() - start < std::chrono::seconds(5));
+  CHECK_THAT(errors[0], Catch::Contains("rank 1 failed") &&
+                            Catch::Contains("stage 1 failed on purpose"));
+  CHECK(errors[1] == "stage 1 failed on purpose");
+}
+
+// NCCL-like matching: needs the transport's ordered hand-off mode (until
+// then the transport refuses a non-Gloo group of several ranks).
+TEST_CASE("transport_c10d: by order (NCCL-like, reverse group), hand-offs both ways arrive "
+          "intact as shapes change",
+          "[transport][ordered]") {
+  std::vector<std::string> mismatches;
+  const auto errors = round_trips(gpipe_test::FakeMatching::ByOrder, true, mismatches);
+  CHECK(errors == std::vector<std::string>(2));
+  CHECK(mismatches.empty());
+}
+
+TEST_CASE("transport_c10d: by order (NCCL-like, reverse group), a failure header names the "
+          "failing rank",
+          "[transport][ordered]") {
+  const auto start = gpipe_test::Clock::now();
+  const auto errors = failure_header(gpipe_test::FakeMatching::ByOrder, true);
+  CHECK(gpipe_test::Clock::now() - start < std::chrono::seconds(5));
+  CHECK_THAT(errors[0], Catch::Contains("rank 1 failed") &&
+                            Catch::Contains("stage 1 failed on purpose"));
+  CHECK(errors[1] == "stage 1 failed on purpose");
 }
