@@ -34,6 +34,7 @@ trace_origin_ns and gathered on rank 0), per step:
               part of its receives (sum of R1 - max(R0, S0)) plus send_ms:
               time its worker was held by hand-offs, neither computing nor
               waiting for a peer's compute.
+  us/send     the median time of one send call, over every rank.
   The decomposition lines split the busiest rank's traced step (its first
   event's start to its last event's end) into compute, receive bubble,
   receive communication, sends and gaps (engine cost between tasks: the
@@ -76,6 +77,8 @@ def analyse(ranks: list, steps: int) -> dict:
                 sends[(step, stage, peer, i)] = (start, end)
     per_rank = []
     latencies = []
+    durations = [end - start for events in ranks
+                 for step, stage, i, phase, peer, start, end in events if phase == "send"]
     unmatched = 0
     for events in ranks:
         r = dict(compute=0.0, bubble=0.0, comm=0.0, send=0.0, span=0.0)
@@ -108,7 +111,8 @@ def analyse(ranks: list, steps: int) -> dict:
                 recv_comm_ms=busiest["comm"] / 1e3, bubble_ms=busiest["bubble"] / 1e3,
                 gap_ms=gap / 1e3, span_ms=busiest["span"] / 1e3,
                 handoff_us=statistics.median(latencies) if latencies else float("nan"),
-                waited=len(latencies), unmatched=unmatched)
+                waited=len(latencies), unmatched=unmatched,
+                send_us=statistics.median(durations) if durations else float("nan"))
 
 
 def worker(rank: int, port: int, names: list, quick: bool, path: str) -> None:
@@ -221,13 +225,13 @@ def main() -> int:
                      f"rest_ms={rest * 1e3:.2f}")
     print("\nThe busiest rank's traced step, ms per step (gaps: engine cost between tasks):")
     print(f"{'model':6} {'schedule':9} {'ideal':>7} {'span':>7} {'compute':>8} {'bubble':>7}"
-          f" {'recv comm':>10} {'send':>6} {'gaps':>6} {'waited':>7}")
+          f" {'recv comm':>10} {'send':>6} {'gaps':>6} {'waited':>7} {'us/send':>8}")
     for key, r in results.items():
         name, schedule = key.split("/")
         ideal = ideal_ms(name, args.quick)
         print(f"{name:6} {schedule:9} {ideal:7.1f} {r['span_ms']:7.2f} {r['compute'] * 1e3:8.2f}"
               f" {r['bubble_ms']:7.2f} {r['recv_comm_ms']:10.2f} {r['send_ms']:6.2f}"
-              f" {r['gap_ms']:6.2f} {r['waited']:7d}")
+              f" {r['gap_ms']:6.2f} {r['waited']:7d} {r['send_us']:8.0f}")
         if r["unmatched"]:
             print(f"  ({r['unmatched']} receives without a matching send)")
     for line in lines:
