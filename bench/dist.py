@@ -13,18 +13,42 @@ pipelining's ScheduleGPipe | Schedule1F1B. A step's time is peer.py's:
 the median over blocks of (block time / steps), a Gloo barrier before and
 after each block.
 
-From gpipe's trace (tracing on for extra steps, after the timing), per
-step: `compute` is the busiest rank's time in its cells (forward, loss,
-backward), `rest` the step time minus that: what the pipeline bubble, the
-hand-offs (header and tensors by isend/irecv, waiting for the peer) and the
-engine cost on the busiest rank together. The last lines are
-`BENCH dist model=<sim|tiny> schedule=<name> pipelining_over_gpipe=...`
-(theirs / ours: above 1 means gpipe is faster) and, per model and
-schedule, gpipe's `rest_ms`.
+From gpipe's trace (tracing on for extra steps, after the timing; every
+rank's events are put on the machine's steady clock with the engine's
+trace_origin_ns and gathered on rank 0), per step:
+  compute     the busiest rank's time in its cells (forward, loss, backward).
+  rest        the step time minus that: bubble, hand-offs and engine cost on
+              the busiest rank together.
+  A remote hand-off has a Send span on the sending rank (S0..S1: its worker
+  in the transport's send) and a Receive span on the receiving rank (R0..R1:
+  its worker in the transport's receive, from asking until it has the data),
+  matched by step, the two stages and the micro-batch. The receive's time
+  splits at S0: R0..min(S0, R1) is bubble (the peer had not started sending:
+  it was still computing, or busy elsewhere), max(R0, S0)..R1 is
+  communication (the data was on its way).
+  handoff_us  the median of R1 - S0 over the hand-offs whose receiver was
+              already waiting (R0 < S0): the latency from the sender's call
+              to the receiver having the data, when nothing else delays it.
+  send_ms     the busiest rank's time per step inside sends.
+  comm_ms     the busiest rank's communication per step: the communication
+              part of its receives (sum of R1 - max(R0, S0)) plus send_ms:
+              time its worker was held by hand-offs, neither computing nor
+              waiting for a peer's compute.
+  us/send     the median time of one send call, over every rank.
+  The decomposition lines split the busiest rank's traced step (its first
+  event's start to its last event's end) into compute, receive bubble,
+  receive communication, sends and gaps (engine cost between tasks: the
+  worker in none of these spans), against the ideal schedule time
+  (M + K - 1) x (F + B) of the nominal sleeps (sim only).
+The last lines are
+`BENCH dist model=<sim|tiny> schedule=<name> pipelining_over_gpipe=...
+comm_ms=... handoff_us=... send_ms=...` (theirs / ours: above 1 means gpipe
+is faster).
 """
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +62,57 @@ import peer  # noqa: E402  (the models, the timing, the spawning helpers)
 
 K = peer.K
 SCHEDULES = [("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B")]
+
+COMPUTE = ("forward", "backward", "recompute", "loss", "input_grad", "weight_grad")
+
+
+def analyse(ranks: list, steps: int) -> dict:
+    """The hand-off figures of the module docstring from every rank's events
+    (step, stage, microbatch, phase, peer, start_us, end_us), times on one
+    clock; per step, averaged over the `steps` traced steps."""
+    sends = {}
+    for events in ranks:
+        for step, stage, i, phase, peer, start, end in events:
+            if phase == "send":
+                sends[(step, stage, peer, i)] = (start, end)
+    per_rank = []
+    latencies = []
+    durations = [end - start for events in ranks
+                 for step, stage, i, phase, peer, start, end in events if phase == "send"]
+    unmatched = 0
+    for events in ranks:
+        r = dict(compute=0.0, bubble=0.0, comm=0.0, send=0.0, span=0.0)
+        first, last = {}, {}
+        for step, stage, i, phase, peer, start, end in events:
+            first[step] = min(first.get(step, start), start)
+            last[step] = max(last.get(step, end), end)
+            if phase in COMPUTE:
+                r["compute"] += end - start
+            elif phase == "send":
+                r["send"] += end - start
+            elif phase == "receive":
+                sent = sends.get((step, peer, stage, i))
+                if sent is None:
+                    unmatched += 1
+                    r["comm"] += end - start
+                    continue
+                s0 = sent[0]
+                r["bubble"] += max(0.0, min(s0, end) - start)
+                r["comm"] += end - max(start, s0)
+                if start < s0:
+                    latencies.append(end - s0)
+        r["span"] = sum(last[k] - first[k] for k in first)
+        per_rank.append({k: v / steps for k, v in r.items()})
+    busiest = max(per_rank, key=lambda r: r["compute"])
+    gap = busiest["span"] - busiest["compute"] - busiest["bubble"] - busiest["comm"] \
+        - busiest["send"]
+    return dict(compute=busiest["compute"] / 1e6, send_ms=busiest["send"] / 1e3,
+                comm_ms=(busiest["comm"] + busiest["send"]) / 1e3,
+                recv_comm_ms=busiest["comm"] / 1e3, bubble_ms=busiest["bubble"] / 1e3,
+                gap_ms=gap / 1e3, span_ms=busiest["span"] / 1e3,
+                handoff_us=statistics.median(latencies) if latencies else float("nan"),
+                waited=len(latencies), unmatched=unmatched,
+                send_us=statistics.median(durations) if durations else float("nan"))
 
 
 def worker(rank: int, port: int, names: list, quick: bool, path: str) -> None:
@@ -78,12 +153,14 @@ def worker(rank: int, port: int, names: list, quick: bool, path: str) -> None:
                     step()
                 dist.barrier()
                 traced_s = (time.perf_counter() - start) / traced
-                summary = pipe._engine.trace().summary()
-                busy = sum(summary.busy_us) / 1e6 / traced
-                busiest = [0.0] * K
-                busiest[rank] = busy
-                t = torch.tensor(busiest)
-                dist.all_reduce(t)
+                origin_us = pipe._engine.trace_origin_ns / 1e3
+                events = [(e.step, e.stage, e.microbatch, e.phase, e.peer,
+                           origin_us + e.start_us, origin_us + e.end_us)
+                          for e in pipe._engine.trace().events]
+                pipe._engine.tracing = False
+                gathered = [None] * K
+                dist.all_gather_object(gathered, events)
+                comm = analyse(gathered, traced) if rank == 0 else {}
                 # torch.distributed.pipelining
                 model = peer.make_schedule_model(name, cfg["t"])
                 per = len(model) // K
@@ -104,12 +181,21 @@ def worker(rank: int, port: int, names: list, quick: bool, path: str) -> None:
 
                 theirs_s = peer.time_blocks(their_step, cfg, sync=dist.barrier)
                 results[f"{name}/{ours}"] = dict(ours=ours_s, theirs=theirs_s,
-                                                 traced=traced_s, compute=max(t.tolist()))
+                                                 traced=traced_s, **comm)
                 if rank == 0:
                     with open(path, "w") as f:
                         json.dump(results, f)
     finally:
         dist.destroy_process_group()
+
+
+def ideal_ms(name: str, quick: bool) -> float:
+    """(M + K - 1) x (F + B) of the nominal sleeps for sim (F = t, B = 2t per
+    stage); nan for tiny, whose layers have no nominal time."""
+    if name != "sim":
+        return float("nan")
+    cfg = peer.config(name, quick)
+    return (cfg["m"] + K - 1) * 3 * cfg["t"] * 1e3
 
 
 def main() -> int:
@@ -123,16 +209,31 @@ def main() -> int:
         with open(path) as f:
             results = json.load(f)
     print(f"{'model':6} {'schedule':9} {'gpipe ms':>9} {'pipelining ms':>14} {'theirs/ours':>12}"
-          f" {'compute ms':>11} {'rest ms':>8}")
+          f" {'compute ms':>11} {'rest ms':>8} {'comm ms':>8} {'handoff us':>11}"
+          f" {'send ms':>8}")
     lines = []
     for key, r in results.items():
         name, schedule = key.split("/")
         ratio = r["theirs"] / r["ours"]
         rest = r["traced"] - r["compute"]
         print(f"{name:6} {schedule:9} {r['ours'] * 1e3:9.2f} {r['theirs'] * 1e3:14.2f} "
-              f"{ratio:12.2f} {r['compute'] * 1e3:11.2f} {rest * 1e3:8.2f}")
+              f"{ratio:12.2f} {r['compute'] * 1e3:11.2f} {rest * 1e3:8.2f} {r['comm_ms']:8.2f}"
+              f" {r['handoff_us']:11.0f} {r['send_ms']:8.2f}")
         lines.append(f"BENCH dist model={name} schedule={schedule} "
-                     f"pipelining_over_gpipe={ratio:.2f} rest_ms={rest * 1e3:.2f}")
+                     f"pipelining_over_gpipe={ratio:.2f} comm_ms={r['comm_ms']:.2f} "
+                     f"handoff_us={r['handoff_us']:.0f} send_ms={r['send_ms']:.2f} "
+                     f"rest_ms={rest * 1e3:.2f}")
+    print("\nThe busiest rank's traced step, ms per step (gaps: engine cost between tasks):")
+    print(f"{'model':6} {'schedule':9} {'ideal':>7} {'span':>7} {'compute':>8} {'bubble':>7}"
+          f" {'recv comm':>10} {'send':>6} {'gaps':>6} {'waited':>7} {'us/send':>8}")
+    for key, r in results.items():
+        name, schedule = key.split("/")
+        ideal = ideal_ms(name, args.quick)
+        print(f"{name:6} {schedule:9} {ideal:7.1f} {r['span_ms']:7.2f} {r['compute'] * 1e3:8.2f}"
+              f" {r['bubble_ms']:7.2f} {r['recv_comm_ms']:10.2f} {r['send_ms']:6.2f}"
+              f" {r['gap_ms']:6.2f} {r['waited']:7d} {r['send_us']:8.0f}")
+        if r["unmatched"]:
+            print(f"  ({r['unmatched']} receives without a matching send)")
     for line in lines:
         print(line)
     return 0

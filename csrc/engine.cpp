@@ -118,6 +118,39 @@ void send_skips(Transport& transport, Flow flow, const std::vector<int64_t>& rou
   batch.values.resize(first);
 }
 
+int64_t TracedTransport::sender(const Address& a) const {
+  switch (a.flow) {
+    case Flow::Activation: return a.stage - 1;
+    case Flow::Grad: return a.stage + 1;
+    case Flow::Skip: return skips_.routes[static_cast<size_t>(a.route)].from;
+    case Flow::SkipGrad: return skips_.routes[static_cast<size_t>(a.route)].to;
+  }
+  return -1;
+}
+
+void TracedTransport::send(const Address& to, Payload payload) {
+  if (!tracer_.enabled() || group_.owner(to.stage) == group_.rank()) {
+    group_.send(to, std::move(payload));
+    return;
+  }
+  const auto start = Tracer::Clock::now();
+  group_.send(to, std::move(payload));
+  tracer_.record(step_, sender(to), to.microbatch, TracePhase::Send, start, Tracer::Clock::now(),
+                 static_cast<int32_t>(to.stage));
+}
+
+std::optional<Payload> TracedTransport::receive(const Address& at) {
+  if (!tracer_.enabled() || group_.source(at) == group_.rank()) return group_.receive(at);
+  const auto start = Tracer::Clock::now();
+  auto in = group_.receive(at);
+  // A cancelled wait is no hand-off.
+  if (in) {
+    tracer_.record(step_, at.stage, at.microbatch, TracePhase::Receive, start,
+                   Tracer::Clock::now(), static_cast<int32_t>(sender(at)));
+  }
+  return in;
+}
+
 PlanKind plan_kind(gpipe::Schedule schedule) {
   switch (schedule) {
     case gpipe::Schedule::GPipe:

@@ -102,6 +102,29 @@ void send_skips(Transport& transport, Flow flow, const std::vector<int64_t>& rou
                 const Skips& skips, int64_t i, Batch& batch,
                 const std::vector<std::shared_ptr<c10::Event>>& ready);
 
+/// A step's hand-offs over a process group, through `group`, recording each
+/// one with another rank as a Send span (the sending stage's worker issuing
+/// it) or a Receive span (the receiving stage's worker waiting for it) when
+/// tracing is on. Hand-offs between two stages of this rank pass untraced.
+class TracedTransport final : public Transport {
+ public:
+  TracedTransport(ProcessGroupTransport& group, const Skips& skips, Tracer& tracer, int64_t step)
+      : group_(group), skips_(skips), tracer_(tracer), step_(step) {}
+  void send(const Address& to, Payload payload) override;
+  std::optional<Payload> receive(const Address& at) override;
+  void cancel() override { group_.cancel(); }
+  bool cancelled() const override { return group_.cancelled(); }
+
+ private:
+  /// The stage that sends to `a`.
+  int64_t sender(const Address& a) const;
+
+  ProcessGroupTransport& group_;
+  const Skips& skips_;
+  Tracer& tracer_;
+  int64_t step_;
+};
+
 /// Intra-op threads of each stage's worker (0: torch's setting) for the
 /// `intra_op_threads` option (see PipeOptions), splitting `available`
 /// threads between the CPU stages among `devices` (one per stage).

@@ -26,23 +26,33 @@ const char* to_string(TracePhase phase) {
     case TracePhase::Loss: return "loss";
     case TracePhase::InputGrad: return "input_grad";
     case TracePhase::WeightGrad: return "weight_grad";
+    case TracePhase::Send: return "send";
+    case TracePhase::Receive: return "receive";
   }
   return "unknown";
 }
 
 namespace {
 
-char letter(TracePhase phase) {
+// The box name's prefix (the micro-batch follows).
+const char* letter(TracePhase phase) {
   switch (phase) {
-    case TracePhase::Forward: return 'F';
-    case TracePhase::Backward: return 'B';
-    case TracePhase::Recompute: return 'R';
-    case TracePhase::Copy: return 'C';
-    case TracePhase::Loss: return 'L';
-    case TracePhase::InputGrad: return 'I';
-    case TracePhase::WeightGrad: return 'W';
+    case TracePhase::Forward: return "F";
+    case TracePhase::Backward: return "B";
+    case TracePhase::Recompute: return "R";
+    case TracePhase::Copy: return "C";
+    case TracePhase::Loss: return "L";
+    case TracePhase::InputGrad: return "I";
+    case TracePhase::WeightGrad: return "W";
+    case TracePhase::Send: return "Tx";
+    case TracePhase::Receive: return "Rx";
   }
-  return '?';
+  return "?";
+}
+
+// Not work: a stage moving data or waiting for it, not computing.
+bool moves(TracePhase phase) {
+  return phase == TracePhase::Copy || phase == TracePhase::Send || phase == TracePhase::Receive;
 }
 
 std::string fixed(double value, int digits) {
@@ -90,7 +100,9 @@ std::string Trace::to_chrome_json() const {
         << gpipe::to_string(e.phase) << "\",\"ph\":\"X\",\"pid\":0,\"tid\":" << e.stage
         << ",\"ts\":" << fixed(e.start_us, 3) << ",\"dur\":" << fixed(e.end_us - e.start_us, 3)
         << ",\"args\":{\"step\":" << e.step << ",\"microbatch\":" << e.microbatch
-        << ",\"thread\":" << e.thread << "}}";
+        << ",\"thread\":" << e.thread;
+    if (e.peer >= 0) out << ",\"peer\":" << e.peer;
+    out << "}}";
   }
   out << "]}\n";
   return out.str();
@@ -119,7 +131,7 @@ TraceSummary Trace::summary() const {
     if (e.phase == TracePhase::Loss) whole_steps.insert(e.step);
   }
   for (const auto& e : events) {
-    if (e.phase == TracePhase::Copy) continue;
+    if (moves(e.phase)) continue;
     s.busy_us[static_cast<size_t>(e.stage)] += e.end_us - e.start_us;
     const int half = e.phase == TracePhase::Forward || whole_steps.count(e.step) != 0 ? 0 : 1;
     auto [it, fresh] = halves.try_emplace({e.step, half}, e.start_us, e.end_us);
@@ -141,7 +153,7 @@ TraceSummary Trace::summary() const {
   if (!whole_steps.empty()) {
     std::set<int64_t> threads;
     for (const auto& e : events) {
-      if (e.phase != TracePhase::Copy) threads.insert(e.thread);
+      if (!moves(e.phase)) threads.insert(e.thread);
     }
     lanes = std::min<int64_t>(lanes, static_cast<int64_t>(threads.size()));
   }
@@ -206,8 +218,9 @@ TraceEvent untimed(int64_t step, int64_t stage, int64_t microbatch, TracePhase p
 }  // namespace
 
 void Tracer::record(int64_t step, int64_t stage, int64_t microbatch, TracePhase phase,
-                    Clock::time_point start, Clock::time_point end) {
+                    Clock::time_point start, Clock::time_point end, int32_t peer) {
   TraceEvent e = untimed(step, stage, microbatch, phase);
+  e.peer = peer;
   e.start_us = Micro(start - origin_).count();
   e.end_us = Micro(end - origin_).count();
   std::lock_guard<std::mutex> hold(mutex_);

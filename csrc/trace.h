@@ -67,9 +67,9 @@ class Tracer {
   /// Where every event's time is counted from.
   Clock::time_point origin() const noexcept { return origin_; }
 
-  /// A host-timed event.
+  /// A host-timed event; `peer`: see TraceEvent::peer (Send, Receive).
   void record(int64_t step, int64_t stage, int64_t microbatch, TracePhase phase,
-              Clock::time_point start, Clock::time_point end);
+              Clock::time_point start, Clock::time_point end, int32_t peer = -1);
 
   /// A device-timed event: `start` and `end` were recorded (in that order)
   /// on one accelerator stream, with timing enabled. Resolved later.

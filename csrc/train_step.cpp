@@ -306,9 +306,15 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
   Outside outside;
   // In-process: every stage here, mailboxes between them. Over a group:
   // this rank's stages, the process group between ranks.
+  // Over a group the hand-offs with other ranks are traced (Send, Receive).
   std::optional<Mailboxes> mailboxes;
-  if (!transport_) mailboxes.emplace(s_count, m, skips_.size());
-  Transport& mail = transport_ ? static_cast<Transport&>(*transport_) : *mailboxes;
+  std::optional<TracedTransport> remote;
+  if (transport_) {
+    remote.emplace(*transport_, skips_, tracer_, step);
+  } else {
+    mailboxes.emplace(s_count, m, skips_.size());
+  }
+  Transport& mail = transport_ ? static_cast<Transport&>(*remote) : *mailboxes;
   if (outputs) outputs->assign(static_cast<size_t>(m), Batch());
 
   const TaskFn task = [&](const Task& t, const char*& phase) {

@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <chrono>
 #include <optional>
 #include <string>
 
@@ -292,7 +293,17 @@ one per value, None for a value not cut; an empty output list follows input.)doc
       .def_property(
           "trace_capacity", [](PyEngine& e) { return e.tracer().capacity(); },
           [](PyEngine& e, int64_t events) { e.tracer().set_capacity(events); },
-          "The most recent events tracing keeps, whole steps (see Trace); at least 1.");
+          "The most recent events tracing keeps, whole steps (see Trace); at least 1.")
+      .def_property_readonly(
+          "trace_origin_ns",
+          [](PyEngine& e) {
+            return static_cast<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                            e.tracer().origin().time_since_epoch())
+                                            .count());
+          },
+          "Where the trace's times count from, in nanoseconds on the host's steady clock "
+          "(CLOCK_MONOTONIC on Linux, as time.monotonic_ns()): origin + start_us lines up "
+          "the traces of several processes on one machine.");
 
   py::class_<gpipe::TraceEvent>(m, "TraceEvent", R"doc(One executed action: a cell (one stage's
 forward, recompute or backward of one micro-batch) or a copy of a stage's input from another
@@ -309,7 +320,12 @@ device ran the work, not when the host queued it), placed on the host timeline.)
           "phase", [](const gpipe::TraceEvent& e) { return std::string(gpipe::to_string(e.phase)); },
           "'forward', 'backward', 'recompute' (a checkpointed cell's forward again, just "
           "before its backward), 'copy', and under train_step 'loss' (the last stage's loss "
-          "and its grad), 'input_grad' and 'weight_grad' (zero-bubble's halves of a backward).")
+          "and its grad), 'input_grad' and 'weight_grad' (zero-bubble's halves of a backward); "
+          "over a process group 'send' (issuing a hand-off to another rank's stage) and "
+          "'receive' (waiting for one from another rank's stage, bubble included).")
+      .def_readonly("peer", &gpipe::TraceEvent::peer,
+                    "'send' and 'receive': the stage at the other end of the hand-off (the "
+                    "receiving stage of a send, the sending stage of a receive); -1 otherwise.")
       .def_readonly("start_us", &gpipe::TraceEvent::start_us,
                     "When it started, in microseconds since the Pipe was built.")
       .def_readonly("end_us", &gpipe::TraceEvent::end_us,
@@ -322,7 +338,7 @@ device ran the work, not when the host queued it), placed on the host timeline.)
                ", microbatch=" + std::to_string(e.microbatch) + ", phase='" +
                gpipe::to_string(e.phase) + "', start_us=" + std::to_string(e.start_us) +
                ", end_us=" + std::to_string(e.end_us) + ", thread=" + std::to_string(e.thread) +
-               ")";
+               (e.peer >= 0 ? ", peer=" + std::to_string(e.peer) : std::string()) + ")";
       });
 
   py::class_<gpipe::TraceSummary>(m, "TraceSummary", R"doc(The measured bubble against GPipe's

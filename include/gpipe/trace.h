@@ -9,7 +9,9 @@ namespace gpipe {
 
 /// The kind of work an event records. A checkpointed cell's backward is a
 /// Recompute event followed by a Backward event; Copy is a stage moving its
-/// input from another device (never recorded between CPU stages).
+/// input from another device (never recorded between CPU stages). Send and
+/// Receive are hand-offs with another rank (a pipeline over a process
+/// group only; never recorded in-process or between two stages of one rank).
 enum class TracePhase : uint8_t {
   /// A cell's forward.
   Forward,
@@ -25,10 +27,17 @@ enum class TracePhase : uint8_t {
   InputGrad,
   /// train_step, zero-bubble: a cell's weight grads (W).
   WeightGrad,
+  /// Over a process group: the stage's worker issuing a hand-off (an
+  /// activation, grad or skip) to a stage of another rank (`TraceEvent::peer`).
+  Send,
+  /// Over a process group: the stage's worker waiting in the transport for a
+  /// hand-off from a stage of another rank (`TraceEvent::peer`), from asking
+  /// until it has it: includes the wait for the peer to produce it (bubble).
+  Receive,
 };
 
-/// "forward", "backward", "recompute", "copy", "loss", "input_grad" or
-/// "weight_grad".
+/// "forward", "backward", "recompute", "copy", "loss", "input_grad",
+/// "weight_grad", "send" or "receive".
 const char* to_string(TracePhase phase);
 
 /// How many events a Pipe keeps by default (see `Trace`): the most recent
@@ -55,6 +64,13 @@ struct TraceEvent {
   int64_t microbatch = 0;
   /// What it ran.
   TracePhase phase = TracePhase::Forward;
+  /// Send and Receive: the stage at the other end of the hand-off (the
+  /// receiving stage of a Send, the sending stage of a Receive); −1 for
+  /// every other phase. A Send of stage a with peer b and a Receive of stage
+  /// b with peer a for the same step and micro-batch are the two ends of one
+  /// hand-off. (Skips along the same two stages as an activation or grad
+  /// have the same step, stages and micro-batch: they are not told apart.)
+  int32_t peer = -1;
   /// When it started, in microseconds since the Pipe was built.
   double start_us = 0;
   /// When it ended, in microseconds since the Pipe was built (≥ start_us).
@@ -70,8 +86,8 @@ struct TraceEvent {
 /// the backward half (recompute and backward events); a `train_step` step
 /// (one with loss events), whose forwards and backwards interleave, is one
 /// span. Each half of each step has a span: from its first event's start to
-/// its last event's end. Copies are not work: they count toward no stage's
-/// busy time and no span.
+/// its last event's end. Copies, sends and receives are not work: they count
+/// toward no stage's busy time and no span.
 struct TraceSummary {
   /// Stages seen in the trace (highest stage index + 1).
   int64_t stages = 0;
@@ -79,8 +95,9 @@ struct TraceSummary {
   int64_t microbatches = 0;
   /// Steps with at least one event in the trace.
   int64_t steps = 0;
-  /// Per stage: microseconds spent in its forward, backward and recompute
-  /// events (copies not included).
+  /// Per stage: microseconds spent in its compute events (forward,
+  /// backward, recompute; under train_step loss, input_grad, weight_grad);
+  /// copies, sends and receives not included.
   std::vector<double> busy_us;
   /// Sum over every half of every step of (last end − first start), in
   /// microseconds: the wall time the trace's work took, the gaps between
@@ -120,7 +137,9 @@ struct Trace {
   int64_t dropped = 0;
 
   /// Chrome trace event JSON (chrome://tracing, https://ui.perfetto.dev):
-  /// one row per stage, one box per event named "F3", "B3", "R3" or "C3".
+  /// one row per stage, one box per event named "F3", "B3", "R3" or "C3"
+  /// (micro-batch 3; "Tx3" and "Rx3" for a send and a receive, with the
+  /// peer stage in its args).
   std::string to_chrome_json() const;
   /// Writes `to_chrome_json()` to `path`; throws naming the path on failure.
   void save_chrome_json(const std::string& path) const;

@@ -26,6 +26,7 @@ class Engine:
     def trace(self) -> "Trace": ...
     def clear_trace(self) -> None: ...
     trace_capacity: int
+    trace_origin_ns: int  # the trace's time zero on the steady clock (time.monotonic_ns())
 
 class TraceEvent:
     """One executed cell (or cross-device copy); times in µs since the Pipe was built."""
@@ -33,10 +34,11 @@ class TraceEvent:
     step: int
     stage: int
     microbatch: int
-    phase: str  # 'forward', 'backward', 'recompute', 'copy', 'loss', 'input_grad', 'weight_grad'
+    phase: str  # 'forward', 'backward', 'recompute', 'copy', 'loss', 'input_grad', 'weight_grad', 'send', 'receive'
     start_us: float
     end_us: float
     thread: int
+    peer: int  # 'send', 'receive': the stage at the other end; -1 otherwise
 
 class TraceSummary:
     """The measured bubble against GPipe's ideal, busy time per stage."""

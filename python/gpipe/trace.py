@@ -40,7 +40,7 @@ DEFAULT_TRACE_CAPACITY: int = _C.DEFAULT_TRACE_CAPACITY
 #: Box colours by phase.
 _COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "recompute": "#55A868",
             "copy": "#8C8C8C", "loss": "#937860", "input_grad": "#C44E52",
-            "weight_grad": "#8172B3"}
+            "weight_grad": "#8172B3", "send": "#CCB974", "receive": "#DADADA"}
 
 
 @contextlib.contextmanager
@@ -68,8 +68,8 @@ def plot_timeline(trace: Trace, path: Union[str, "os.PathLike[str]"], *,
     """Draws ``trace`` as a Gantt chart to ``path`` (PNG, or any format
     matplotlib infers from the suffix): one row per stage, one box per cell
     labelled with its micro-batch, each phase (forward, backward, recompute,
-    copy, and under ``train_step`` loss, input_grad and weight_grad) in its
-    own colour, time in milliseconds from the first event. ``by="thread"``
+    copy, and under ``train_step`` loss, input_grad and weight_grad; over a
+    process group send and receive) in its own colour, time in milliseconds from the first event. ``by="thread"``
     gives one row per thread instead (a worker, with ``virtual_stages``
     running several stages; boxes then read micro-batch.stage)."""
     if by not in ("stage", "thread"):

@@ -287,3 +287,35 @@ TEST_CASE("trace: a long run stays within the capacity and keeps the newest step
   CHECK_THROWS_WITH(gpipe::Pipe(mlp(2), PipeOptions().balance({2}).trace_capacity(0)),
                     Catch::Contains("trace capacity must be at least 1 event, got 0"));
 }
+
+TEST_CASE("trace: sends and receives are named, keep their peer, and are not busy time",
+          "[trace]") {
+  using Clock = gpipe::detail::Tracer::Clock;
+  gpipe::detail::Tracer tracer;
+  tracer.enable(true);
+  const auto t0 = Clock::now();
+  const auto ms = [&](int n) { return t0 + std::chrono::milliseconds(n); };
+  // Stage 1 waits 2 ms for stage 0's activation, runs 3 ms, sends 1 ms to stage 2.
+  tracer.record(0, 1, 0, TracePhase::Receive, ms(0), ms(2), /*peer=*/0);
+  tracer.record(0, 1, 0, TracePhase::Forward, ms(2), ms(5));
+  tracer.record(0, 1, 0, TracePhase::Send, ms(5), ms(6), /*peer=*/2);
+  const auto trace = tracer.snapshot();
+  REQUIRE(trace.events.size() == 3);
+  CHECK(trace.events[0].peer == 0);
+  CHECK(trace.events[1].peer == -1);
+  CHECK(trace.events[2].peer == 2);
+  CHECK(std::string(gpipe::to_string(TracePhase::Send)) == "send");
+  CHECK(std::string(gpipe::to_string(TracePhase::Receive)) == "receive");
+
+  const auto s = trace.summary();
+  REQUIRE(s.busy_us.size() == 2);
+  CHECK(s.busy_us[1] == Approx(3000.0));
+  CHECK(s.span_us == Approx(3000.0));  // the forward alone: hand-offs are no span
+  CHECK(s.steps == 1);
+
+  const std::string json = trace.to_chrome_json();
+  CHECK(count(json, "\"name\":\"Rx0\",\"cat\":\"receive\"") == 1);
+  CHECK(count(json, "\"name\":\"Tx0\",\"cat\":\"send\"") == 1);
+  CHECK(count(json, "\"peer\":2") == 1);
+  CHECK(count(json, "\"peer\":") == 2);
+}
