@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 #include <ATen/ops/cat.h>
 
+#include <algorithm>
 #include <iterator>
 #include <numeric>
 #include <string>
@@ -92,7 +93,13 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
       std::move(parts), std::vector<c10::Device>(static_cast<size_t>(v), options_.device()),
       options_.chunks(), options_.checkpoint(), /*intra_op_threads=*/-1, v,
       detail::plan_kind(options_.schedule()),
-      detail::Groups{group, options_.reverse_group(), /*data=*/{}});
+      detail::Groups{group, options_.reverse_group(), options_.dp_group()});
+  if (options_.dp_group()) {
+    GPIPE_CHECK_VALUE(options_.bucket_cap_mb() > 0, "bucket_cap_mb must be positive, got ",
+                      options_.bucket_cap_mb(), "; the default is 25");
+    engine_->set_bucket_cap(std::max<int64_t>(
+        1, static_cast<int64_t>(options_.bucket_cap_mb() * static_cast<double>(1 << 20))));
+  }
 }
 
 DistributedPipeImpl::~DistributedPipeImpl() = default;
@@ -118,7 +125,6 @@ torch::Tensor DistributedPipeImpl::train_step(const torch::Tensor& input,
   torch::Tensor loss = engine_->train_step(is_first_ ? batch(input) : detail::Batch(),
                                            is_last_ ? batch(target) : detail::Batch(), fn,
                                            is_training());
-  if (options_.dp_group()) average_grads();
   return loss;
 }
 
@@ -127,26 +133,6 @@ torch::Tensor DistributedPipeImpl::eval_step(const torch::Tensor& input) {
   detail::Batch out = engine_->eval_step(is_first_ && input.defined() ? detail::Batch(input)
                                                                       : detail::Batch());
   return out.values.empty() ? torch::Tensor() : out[0];
-}
-
-void DistributedPipeImpl::average_grads() {
-  // One all_reduce over the replicas of every grad, flattened (one dtype
-  // and device: this rank's stages share both).
-  std::vector<torch::Tensor> grads;
-  for (auto& p : parameters()) {
-    if (p.grad().defined()) grads.push_back(p.grad());
-  }
-  if (grads.empty()) return;
-  std::vector<torch::Tensor> pieces;
-  for (const auto& g : grads) pieces.push_back(g.reshape(-1));
-  std::vector<torch::Tensor> flat{torch::cat(pieces)};
-  options_.dp_group()->allreduce(flat)->wait();
-  flat[0].div_(options_.dp_group()->getSize());
-  int64_t at = 0;
-  for (auto& g : grads) {
-    g.copy_(flat[0].narrow(0, at, g.numel()).view_as(g));
-    at += g.numel();
-  }
 }
 
 }  // namespace gpipe
