@@ -203,10 +203,11 @@ void GradReducer::launch(size_t group, bool zeros) {
     bucket.work = group_->allreduce(flat);
   }
   const bool late = group == early_.size();
+  launched_ = group + 1;
+  if (late && buckets.empty()) return;
   launches_.push_back(Launch{late ? -1 : stages_[early_[group]],
                              late ? 0 : list_size_ - position_,
                              static_cast<int64_t>(buckets.size())});
-  launched_ = group + 1;
 }
 
 void GradReducer::finish() {
