@@ -226,12 +226,15 @@ def test_small_buckets(dp_run):
 def test_failing_replica_fails_every_rank():
     run = _spawn("fail")
     assert run["codes"] == [0] * WORLD, run["logs"]
-    for case, culprit, what in (("loss", 3, "loss_fn refuses"),
-                                ("late", 2, "stage 0 refuses its last backward")):
+    # "late": rank 2's last backward fails after rank 3 (stages 1 and 3) is done with the
+    # step, so the pipeline tells it nothing (as without data parallelism); ranks 1 and 3
+    # replicate stages 1 and 3, whose grads were averaged. Ranks 0 and 2 (stages 0 and 2) fail.
+    for case, culprit, what, ranks in (("loss", 3, "loss_fn refuses", range(WORLD)),
+                                       ("late", 2, "stage 0 refuses its last backward", (0, 2))):
         raised = [x for x in run["results"][culprit] if x["check"] == "raised"]
         assert raised, run["logs"]
         started = raised[0]["at"]
-        for rank, r in _results(run, case).items():
+        for rank, r in _results(run, case, ranks).items():
             assert r["error"] is not None, (case, rank, run["logs"])
             assert r["at"] - started <= td.FAILURE_DEADLINE, (case, rank, r)
             if rank == culprit:
