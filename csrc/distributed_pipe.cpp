@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 #include <ATen/ops/cat.h>
 
+#include <algorithm>
 #include <iterator>
 #include <numeric>
 #include <string>
@@ -67,8 +68,14 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
       std::move(parts), std::vector<c10::Device>(static_cast<size_t>(v), options_.device()),
       options_.chunks(), options_.checkpoint(), /*intra_op_threads=*/-1, v,
       detail::plan_kind(options_.schedule()),
-      detail::Groups{group, options_.reverse_group(), /*data=*/{}});
+      detail::Groups{group, options_.reverse_group(), options_.dp_group()});
   engine_->set_skip_routes(std::move(skips.routes));
+  if (options_.dp_group()) {
+    GPIPE_CHECK_VALUE(options_.bucket_cap_mb() > 0, "bucket_cap_mb must be positive, got ",
+                      options_.bucket_cap_mb(), "; the default is 25");
+    engine_->set_bucket_cap(std::max<int64_t>(
+        1, static_cast<int64_t>(options_.bucket_cap_mb() * static_cast<double>(1 << 20))));
+  }
 }
 
 DistributedPipeImpl::~DistributedPipeImpl() = default;
@@ -100,7 +107,6 @@ torch::Tensor DistributedPipeImpl::train_step(const torch::Tensor& input,
   };
   auto batch = [](const torch::Tensor& t) { return t.defined() ? detail::Batch(t) : detail::Batch(); };
   torch::Tensor loss = run_train_step(batch(input), batch(target), fn, "train_step");
-  if (options_.dp_group()) average_grads();
   return loss;
 }
 
@@ -115,7 +121,6 @@ torch::Tensor DistributedPipeImpl::train_step_tuple(std::vector<torch::Tensor> i
   };
   torch::Tensor loss =
       run_train_step(batch(std::move(inputs)), batch(std::move(targets)), fn, "train_step_tuple");
-  if (options_.dp_group()) average_grads();
   return loss;
 }
 
@@ -135,26 +140,6 @@ std::vector<torch::Tensor> DistributedPipeImpl::eval_step_tuple(std::vector<torc
                                              ? detail::Batch(std::move(inputs), /*is_atomic=*/false)
                                              : detail::Batch());
   return out.values;
-}
-
-void DistributedPipeImpl::average_grads() {
-  // One all_reduce over the replicas of every grad, flattened (one dtype
-  // and device: this rank's stages share both).
-  std::vector<torch::Tensor> grads;
-  for (auto& p : parameters()) {
-    if (p.grad().defined()) grads.push_back(p.grad());
-  }
-  if (grads.empty()) return;
-  std::vector<torch::Tensor> pieces;
-  for (const auto& g : grads) pieces.push_back(g.reshape(-1));
-  std::vector<torch::Tensor> flat{torch::cat(pieces)};
-  options_.dp_group()->allreduce(flat)->wait();
-  flat[0].div_(options_.dp_group()->getSize());
-  int64_t at = 0;
-  for (auto& g : grads) {
-    g.copy_(flat[0].narrow(0, at, g.numel()).view_as(g));
-    at += g.numel();
-  }
 }
 
 }  // namespace gpipe

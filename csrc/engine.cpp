@@ -228,6 +228,17 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
         groups.pipeline, groups.reverse, all_stages_, gloo ? c10::Device(c10::kCPU) : devices[0]);
   }
   data_group_ = std::move(groups.data);
+  if (data_group_) {
+    // The reducer follows one list in order: one worker per rank.
+    GPIPE_CHECK_VALUE(transport_, "a data-parallel group needs a pipeline group (one rank per "
+                      "list of stages); pass the pipeline's group too");
+    if (data_group_->getSize() > 1) {
+      // NCCL reduces device tensors only; Gloo's status lives on the host.
+      const bool nccl =
+          data_group_->getBackendType() == c10d::ProcessGroup::BackendType::NCCL;
+      reducer_ = std::make_unique<GradReducer>(data_group_, nccl ? devices[0] : c10::Device(c10::kCPU));
+    }
+  }
   for (size_t j = 0; j < layers.size(); ++j) {
     // Stages are named by their index in the whole pipeline.
     const auto index = transport_ ? transport_->rank() + static_cast<int64_t>(j) * transport_->ranks()
@@ -235,6 +246,14 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
     stages_.push_back(std::make_unique<Stage>(index, std::move(layers[j]), devices[j]));
   }
   skips_ = Skips({}, stages());
+}
+
+void Engine::set_bucket_cap(int64_t bytes) {
+  if (reducer_) reducer_->set_bucket_cap(bytes);
+}
+
+std::vector<GradReducer::Launch> Engine::grad_reduce_launches() const {
+  return reducer_ ? reducer_->launches() : std::vector<GradReducer::Launch>{};
 }
 
 void Engine::set_batch_dims(BatchDims input, BatchDims output) {

@@ -5,6 +5,7 @@
 #include "graph.h"
 #include "microbatch.h"
 #include "plan.h"
+#include "reduce.h"
 #include "stage.h"
 #include "trace.h"
 #include "transport.h"
@@ -148,7 +149,8 @@ struct Groups {
   /// ways on one group could then wait on each other. Null: `pipeline`.
   c10::intrusive_ptr<c10d::ProcessGroup> reverse;
   /// This rank's data-parallel replicas (the same stages on every member):
-  /// grads are averaged over it; null for none.
+  /// each stage's grads are averaged over it once final, overlapped with
+  /// the rest of the step (reduce.h); null for none. Needs `pipeline`.
   c10::intrusive_ptr<c10d::ProcessGroup> data;
 };
 
@@ -258,6 +260,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   using ErrorHook = std::function<void(const CellError&)>;
   void set_error_hook(ErrorHook hook) { error_hook_ = std::move(hook); }
 
+  /// With a data group: the most bytes in one bucket of grads averaged
+  /// together (see reduce.h; default 25 MiB). Set between steps.
+  void set_bucket_cap(int64_t bytes);
+  /// With a data group: when each of the last training step's buckets
+  /// started, relative to this rank's list (empty without a data group).
+  std::vector<GradReducer::Launch> grad_reduce_launches() const;
+
   /// Records every cell (and cross-device copy) while enabled.
   Tracer& tracer() noexcept { return tracer_; }
 
@@ -275,6 +284,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// into `outputs`.
   at::Tensor step(const Batch& input, const Batch& target, const LossFn* loss_fn, bool training,
                   std::vector<Batch>* outputs);
+  /// The index (of all_stages()) of each of stages_.
+  std::vector<int64_t> stage_indices() const;
   /// abandon_step, for a caller already holding the Call.
   void fail_before_step(const std::string& what, bool training_step);
   /// Whether this engine runs stage `stage` (of all_stages()).
@@ -304,8 +315,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   int64_t all_stages_ = 0;
   /// Over a process group: the hand-offs between ranks; null in-process.
   std::unique_ptr<ProcessGroupTransport> transport_;
-  // Grads are averaged over it after a training step (see Groups::data).
+  // Grads are averaged over it (see Groups::data).
   c10::intrusive_ptr<c10d::ProcessGroup> data_group_;
+  /// Averages the grads over data_group_ (of more than one rank); else null.
+  std::unique_ptr<GradReducer> reducer_;
   /// Set by a failed step over a group: later ones are refused.
   std::string failed_;
   std::vector<int> intra_op_threads_;  // before executor_: it starts the workers with these

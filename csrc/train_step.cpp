@@ -190,6 +190,17 @@ void Engine::fail_before_step(const std::string& what, bool training_step) {
                     skips_.routes);
   failed_ = first_line(what);
   transport_->fail(what);
+  if (training_step && reducer_) {
+    // The replicas are in the step too: their grad exchange learns of it.
+    reducer_->begin(plan, transport_->rank(), stage_indices());
+    reducer_->abort();
+  }
+}
+
+std::vector<int64_t> Engine::stage_indices() const {
+  std::vector<int64_t> indices;
+  for (const auto& stage : stages_) indices.push_back(stage->index());
+  return indices;
 }
 
 at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* loss_fn,
@@ -223,6 +234,19 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
     transport_->begin(chunks_, plan_handoffs(*plan_ptr, transport_->rank(), skips_.routes),
                       skips_.routes);
   }
+  // Data parallel (reduce.h): from here on, a step that throws still takes
+  // part in the replicas' grad exchange, so none of them waits for it.
+  GradReducer* const reducer = loss_fn && transport_ ? reducer_.get() : nullptr;
+  struct AbortReduce {
+    Engine& engine;
+    GradReducer* reducer;
+    ~AbortReduce() {
+      if (!reducer) return;
+      reducer->abort();
+      if (engine.failed_.empty()) engine.failed_ = "a data-parallel step failed";
+    }
+  } abort_reduce{*this, reducer};
+  if (reducer) reducer->begin(*plan_ptr, transport_->rank(), stage_indices());
   Scattered scattered;
   Scattered targets;
   std::vector<int64_t> rows;
@@ -439,6 +463,17 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
     }
   };
 
+  // Data parallel: after each task the reducer sees what a forward reached
+  // and starts a stage's buckets once its grads are final.
+  const TaskFn reducing = [&](const Task& t, const char*& phase) {
+    task(t, phase);
+    if (mail.cancelled()) return;  // the step fails: nothing is final
+    Stage& stage = *stages_[local(t.stage)];
+    auto guard = on_compute_stream(stage);
+    const Cell& cell = cells[local(t.stage)][static_cast<size_t>(t.microbatch)];
+    reducer->task_done(t, t.op == Op::F ? &cell.cut : nullptr);
+  };
+
   const auto lanes = this->lanes();
   wait_for_current_streams(lanes);
   // A failure over a group tells the other ranks before anything else.
@@ -449,7 +484,8 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
   };
   try {
     if (transport_) {
-      executor_.run_plan(plan, task, mail, forward_state, {transport_->rank()});
+      executor_.run_plan(plan, reducer ? reducing : task, mail, forward_state,
+                         {transport_->rank()});
       transport_->finish();
     } else {
       executor_.run_plan(plan, task, mail, forward_state);
@@ -502,6 +538,16 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
     torch::autograd::Engine::get_default_engine().execute(roots, root_grads, /*keep_graph=*/false,
                                                           /*create_graph=*/false,
                                                           /*accumulate_grad=*/true, {});
+  }
+
+  if (reducer) {
+    try {
+      reducer->finish();
+    } catch (const std::exception& e) {
+      failed_ = first_line(e.what());
+      throw;
+    }
+    abort_reduce.reducer = nullptr;
   }
 
   at::NoGradGuard plain;

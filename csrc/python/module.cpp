@@ -16,6 +16,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <tuple>
 
 namespace py = pybind11;
 
@@ -193,6 +194,13 @@ class PyEngine {
     engine_->abandon_step(what, training_step);
   }
 
+  void set_bucket_cap(int64_t bytes) { engine_->set_bucket_cap(bytes); }
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> grad_reduce_launches() const {
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+    for (const auto& l : engine_->grad_reduce_launches()) out.emplace_back(l.stage, l.tasks_left, l.buckets);
+    return out;
+  }
+
   detail::Tracer& tracer() { return engine_->tracer(); }
   const std::vector<int>& intra_op_threads() const { return engine_->intra_op_threads(); }
   std::string handoffs() const { return engine_->handoffs(); }
@@ -304,6 +312,13 @@ one per value, None for a value not cut; an empty output list follows input.)doc
           "Where the trace's times count from, in nanoseconds on the host's steady clock "
           "(CLOCK_MONOTONIC on Linux, as time.monotonic_ns()): origin + start_us lines up "
           "the traces of several processes on one machine.");
+      .def("set_bucket_cap", &PyEngine::set_bucket_cap, py::arg("bytes"),
+           "With dp_group: the most bytes of grads averaged in one all_reduce (a parameter is "
+           "never split); at least 1.")
+      .def("grad_reduce_launches", &PyEngine::grad_reduce_launches,
+           "With dp_group: the last training step's bucket launches, in order, as (stage, "
+           "tasks of this rank's list still to run, buckets); stage -1: started at the step's "
+           "end.");
 
   py::class_<gpipe::TraceEvent>(m, "TraceEvent", R"doc(One executed action: a cell (one stage's
 forward, recompute or backward of one micro-batch) or a copy of a stage's input from another

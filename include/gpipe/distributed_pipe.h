@@ -49,9 +49,13 @@ struct DistributedPipeOptions {
   /// queue, so hand-offs both ways on one group could wait on each other.
   /// Null: `group` (right for Gloo).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, reverse_group);
-  /// This rank's stage replicas: grads averaged over it after each step;
-  /// null for none.
+  /// This rank's stage replicas: each stage's grads are averaged over it
+  /// once final, in buckets, overlapped with the rest of the step's
+  /// backward (see docs/distributed.md); null for none.
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, dp_group);
+  /// With `dp_group`: the most MiB of grads averaged in one all_reduce (a
+  /// parameter is never split).
+  TORCH_ARG(double, bucket_cap_mb) = 25;
   /// Where this rank's stages run.
   TORCH_ARG(c10::Device, device) = c10::kCPU;
 };
@@ -81,7 +85,8 @@ class DistributedPipeImpl : public torch::nn::Module {
   /// One training step on every rank: `input` on the first stage's rank,
   /// `target` on the last's (undefined elsewhere). Returns the batch's mean
   /// loss (detached) on the last stage's rank, undefined elsewhere; grads
-  /// accumulate into this rank's parameters (averaged over `dp_group`).
+  /// accumulate into this rank's parameters (averaged over `dp_group`,
+  /// each stage's as soon as they are final).
   torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
                            const LossFn& loss_fn);
   /// Pipelined inference (no grads kept): the output on the last stage's
@@ -120,7 +125,6 @@ class DistributedPipeImpl : public torch::nn::Module {
                                const std::function<torch::Tensor(const detail::Batch&,
                                                                  const detail::Batch&)>& fn,
                                const char* name);
-  void average_grads();
 
   DistributedPipeOptions options_;
   int64_t rank_ = 0;

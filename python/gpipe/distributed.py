@@ -1,5 +1,5 @@
 """The pipeline over processes: one rank per stage (or per v stages) of an nn.Sequential, over torch.distributed."""
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -62,8 +62,12 @@ class Pipe(nn.Module):
         virtual_stages: stages per rank (interleaved_1f1b), default 1.
         group: the pipeline's process group (default: the world).
         dp_group: the group of this rank's data-parallel replicas (same
-            stages on every member); grads are averaged over it after each
-            step. None: no data parallelism.
+            stages on every member); each stage's grads are averaged over it
+            as soon as they are final, in buckets, overlapped with the rest
+            of the step's backward (docs/distributed.md). None: no data
+            parallelism.
+        bucket_cap_mb: with ``dp_group``, the most MiB of grads averaged in
+            one all_reduce (default 25; a parameter is never split).
         device: where this rank's stages run (default: this rank's current
             GPU over NCCL, else CPU). Over Gloo, CUDA tensors travel through
             the host. Over NCCL the pipe makes a second group of the same
@@ -89,7 +93,8 @@ class Pipe(nn.Module):
     def __init__(self, module: nn.Sequential, balance: Any, *, chunks: int = 1,
                  schedule: str = "1f1b", checkpoint: str = "except_last",
                  virtual_stages: int = 1, group: Optional[Any] = None,
-                 dp_group: Optional[Any] = None, device: Optional[Any] = None) -> None:
+                 dp_group: Optional[Any] = None, device: Optional[Any] = None,
+                 bucket_cap_mb: float = 25) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("gpipe.distributed.Pipe needs an initialised process group; call "
@@ -107,7 +112,11 @@ class Pipe(nn.Module):
             raise ValueError(f"virtual_stages must be at least 1, got {self.virtual_stages}")
         self.group = group if group is not None else dist.group.WORLD
         self.dp_group = dp_group
-        self._reverse_group = _reverse_group(self.group)
+        if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+                or not bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got "
+                             f"{bucket_cap_mb!r}; the default is 25")
+        self.bucket_cap_mb = bucket_cap_mb
         ranks = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         balance = _parse_balance(balance)
@@ -137,6 +146,7 @@ class Pipe(nn.Module):
                 self.add_module(names[k], layer)
                 part.append(layer)
             parts.append(part)
+        self._reverse_group = _reverse_group(self.group)
         # Skips across stages travel between ranks like activations: every
         # rank sees the whole model's routes; its runners take and give those
         # of its stages.
@@ -148,7 +158,9 @@ class Pipe(nn.Module):
                                  skip_routes=routes,
                                  group=self.group.group_name,
                                  reverse_group=(self._reverse_group.group_name
-                                                if self._reverse_group is not None else ""))
+                                                if self._reverse_group is not None else ""),
+                                 dp_group=dp_group.group_name if dp_group is not None else "")
+        self._engine.set_bucket_cap(max(1, int(bucket_cap_mb * 2**20)))
 
     def _check_step(self, input: Optional[TensorOrTensors], what: str) -> None:
         if self.is_first:
@@ -168,8 +180,11 @@ class Pipe(nn.Module):
         ``input`` matters only on the first rank, ``target`` only on the last
         (pass None elsewhere). Returns the batch's mean loss (detached) on
         the last rank, None on the others. Grads accumulate into this rank's
-        parameters' ``.grad``; with ``dp_group`` they are then averaged over
-        the replicas.
+        parameters' ``.grad``; with ``dp_group`` they are averaged over the
+        replicas within the step (a stage's as soon as its last backward
+        ran), so that R replicas equal one on their concatenated batches.
+        A grad undefined here stays undefined (the replicas run the same
+        model, so they agree on which are).
 
         A failure on any rank fails the step on every rank, each naming the
         rank where it started; the pipe then refuses further steps (the
@@ -193,8 +208,6 @@ class Pipe(nn.Module):
             raise
         loss = self._engine.train_step(input if self.is_first else None,
                                        target if self.is_last else None, loss_fn, self.training)
-        if self.dp_group is not None:
-            self._average_grads()
         return loss if self.is_last else None
 
     @torch.no_grad()
@@ -209,20 +222,6 @@ class Pipe(nn.Module):
             raise
         out = self._engine.eval_step(input if self.is_first else None)
         return out if self.is_last else None
-
-    def _average_grads(self) -> None:
-        # One all_reduce per dtype and device: the stage's grads flattened.
-        buckets: Dict[Tuple[torch.dtype, torch.device], List[Tensor]] = {}
-        for p in self.parameters():
-            if p.grad is not None:
-                buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-        replicas = dist.get_world_size(self.dp_group)
-        for grads in buckets.values():
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.dp_group)
-            flat.div_(replicas)
-            for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(avg)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """Refused: a pipeline over ranks runs whole steps on every rank
