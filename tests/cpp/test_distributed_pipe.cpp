@@ -371,3 +371,34 @@ TEST_CASE("distributed_pipe: a failing rank fails every rank by order (NCCL-like
           "[distributed][ordered]") {
   check_failure_reaches_every_rank(FakeMatching::ByOrder);
 }
+
+// Why the reverse group: NCCL-like matching runs a pair's sends and
+// receives on one in-order queue, so without it rank 0's early receive of
+// a grad holds up its first activation send, which rank 1 waits for. The
+// step must fail (the group's timeout), not hang.
+TEST_CASE("distributed_pipe: by order without a reverse group, the hand-offs wait on each "
+          "other and the step fails at the group's timeout",
+          "[distributed][ordered]") {
+  const int ranks = 2;
+  const auto model = eight_layers();
+  const Layout layout{ranks, Schedule::OneFOneB, 1, Checkpoint::Never};
+  FakeGroups groups;
+  groups.pipeline = make_fake_groups(ranks, FakeMatching::ByOrder, 2s);
+  std::vector<torch::nn::Sequential> copies;
+  for (int r = 0; r < ranks; ++r) copies.push_back(copy_of(model));
+  torch::manual_seed(5);
+  const auto x = randn64({4, kWidth});
+  const auto y = randn64({4, kWidth});
+  const auto errors = run_ranks(ranks, [&](int rank) {
+    gpipe::DistributedPipe dp(copies[static_cast<size_t>(rank)],
+                              options_for(layout, {4, 4}, 4, groups, rank));
+    dp->train_step(dp->is_first() ? x : torch::Tensor(), dp->is_last() ? y : torch::Tensor(),
+                   mse);
+  });
+  for (int r = 0; r < ranks; ++r) {
+    INFO("rank " << r << ": " << errors[static_cast<size_t>(r)]);
+    CHECK_FALSE(errors[static_cast<size_t>(r)].empty());
+  }
+  const std::string both = errors[0] + errors[1];
+  CHECK(both.find("timeout") != std::string::npos);
+}
