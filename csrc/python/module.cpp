@@ -311,7 +311,7 @@ one per value, None for a value not cut; an empty output list follows input.)doc
           },
           "Where the trace's times count from, in nanoseconds on the host's steady clock "
           "(CLOCK_MONOTONIC on Linux, as time.monotonic_ns()): origin + start_us lines up "
-          "the traces of several processes on one machine.");
+          "the traces of several processes on one machine.")
       .def("set_bucket_cap", &PyEngine::set_bucket_cap, py::arg("bytes"),
            "With dp_group: the most bytes of grads averaged in one all_reduce (a parameter is "
            "never split); at least 1.")
