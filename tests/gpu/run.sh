@@ -15,7 +15,8 @@
 #   configure, build-lib, build-tests    CMake + Ninja against this python's torch, all cores
 #   catch2-cuda                          gpipe_tests "[cuda]"   (while python-build runs)
 #   python-build                         gpipe._C: pip install, or setup.py build if pip can't
-#   pytest-cuda, bench                   tests/python/test_cuda.py, bench/gpu.py
+#   pytest-cuda, bench                   tests/python/test_cuda.py (and the distributed
+#                                        pipe's GPU test), bench/gpu.py
 #   catch2-cpu, pytest-rest (optional)   the rest of both suites
 # Exits 0 when every step that ran passed (CUDA tests skipped for want of a
 # device count as passed: the report says "no CUDA device"), 1 otherwise.
@@ -251,7 +252,8 @@ fi
 # ---- Python CUDA tests and the bench ----------------------------------------------------------
 pytest_args=(-p no:cacheprovider -rfEs)
 if ((python_ok)); then
-  step pytest-cuda required 240 "$python" -m pytest tests/python/test_cuda.py "${pytest_args[@]}" -v -s
+  step pytest-cuda required 240 "$python" -m pytest tests/python/test_cuda.py \
+    tests/python/test_distributed.py::test_stages_on_the_gpu "${pytest_args[@]}" -v -s
   step bench required 180 "$python" bench/gpu.py
 else
   not_run pytest-cuda required "the Python package did not build"

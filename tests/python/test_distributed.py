@@ -33,14 +33,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(scenario: str, world: int = WORLD, handoffs: str = "tagged") -> dict:
+def _spawn(scenario: str, world: int = WORLD, handoffs: str = "tagged", **env_vars: str) -> dict:
     """Runs ``scenario`` on ``world`` processes with hand-offs matched by tag (Gloo's way) or
     by order (NCCL's, over Gloo here: GPIPE_HANDOFFS=ordered); returns {rank: [result, ...]}."""
     port = _free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", GPIPE_HANDOFFS=handoffs)
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", GPIPE_HANDOFFS=handoffs,
+                   **env_vars)
         env["PYTHONPATH"] = os.pathsep.join(sys.path)
         procs.append(subprocess.Popen([sys.executable, __file__, scenario], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -217,6 +218,42 @@ def _worker_train() -> None:
     else:
         _report(check="eval", error=0.0 if out is None else 1.0)
 
+    dist.destroy_process_group()
+
+
+def _worker_cuda() -> None:
+    """Stages on the GPU: over NCCL (one rank: NCCL takes one process per GPU) or over Gloo
+    (every rank on GPU 0; tensors travel through the host)."""
+    import torch.distributed as dist
+
+    import gpipe.distributed
+
+    backend = os.environ["GPIPE_TEST_BACKEND"]
+    dist.init_process_group(backend, timeout=timedelta(seconds=60))
+    torch.cuda.set_device(0)
+    world = dist.get_world_size()
+    torch.manual_seed(1)
+    x = torch.randn(12, 6, dtype=torch.double)
+    y = torch.randn(12, 6, dtype=torch.double)
+    for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)):
+        model = _mlp(2 * world * v)
+        reference = copy.deepcopy(model)
+        # Over NCCL the device defaults to this rank's GPU; over Gloo, CPU.
+        device = "cuda" if backend == "gloo" else None
+        pipe = gpipe.distributed.Pipe(model, [2] * (world * v), chunks=4, schedule=schedule,
+                                      virtual_stages=v, device=device)
+        loss = pipe.train_step(x.cuda() if pipe.is_first else None,
+                               target=y.cuda() if pipe.is_last else None,
+                               loss_fn=nn.functional.mse_loss)
+        expected = nn.functional.mse_loss(reference(x), y)
+        expected.backward()
+        ref = dict(reference.named_parameters())
+        error = max((p.grad.cpu() - ref[n].grad).abs().max().item()
+                    for n, p in pipe.named_parameters())
+        loss_error = (loss.cpu() - expected.detach()).abs().item() if pipe.is_last else 0.0
+        _report(check=f"cuda-{schedule}", grad_error=error, loss_error=loss_error,
+                devices=sorted({str(p.device) for p in pipe.parameters()}),
+                handoffs=pipe._engine.handoffs)
     dist.destroy_process_group()
 
 
@@ -462,6 +499,22 @@ def test_failing_rank_stops_every_rank(handoffs):
     assert run["codes"][2] == 3 and [run["codes"][r] for r in (0, 1, 3)] == [0] * 3, run["logs"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("backend,world,handoffs", [("nccl", 1, "ordered"), ("gloo", 4, "tagged"),
+                                                    ("gloo", 4, "ordered")])
+def test_stages_on_the_gpu(backend, world, handoffs):
+    """NCCL needs a GPU per process, so on one GPU: NCCL with one rank, and Gloo with 4 ranks'
+    stages on the GPU (both hand-off modes)."""
+    run = _spawn("cuda", world=world, handoffs=handoffs, GPIPE_TEST_BACKEND=backend)
+    for schedule in ("1f1b", "interleaved_1f1b", "zb_h1"):
+        for rank, r in _results(run, f"cuda-{schedule}").items():
+            assert r["grad_error"] <= 1e-10, (schedule, rank, r)
+            assert r["loss_error"] <= 1e-10, (schedule, rank, r)
+            assert r["devices"] == ["cuda:0"], (schedule, rank, r)
+            assert r["handoffs"] == handoffs, (schedule, rank, r)
+    assert run["codes"] == [0] * world, run["logs"]
+
+
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
                        "examples", "train_distributed.py")
 
@@ -486,4 +539,4 @@ def test_errors_without_a_group():
 
 if __name__ == "__main__":
     {"train": _worker_train, "dp": _worker_dp, "fail": _worker_fail,
-     "errors": _worker_errors}[sys.argv[1]]()
+     "errors": _worker_errors, "cuda": _worker_cuda}[sys.argv[1]]()
