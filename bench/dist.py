@@ -145,7 +145,7 @@ def worker(rank: int, port: int, names: list, quick: bool, path: str) -> None:
 
                 ours_s = peer.time_blocks(step, cfg, sync=dist.barrier)
                 # The trace of a few more steps: this rank's busy time per step.
-                pipe._engine.tracing = True
+                pipe.tracing = True
                 traced = 1 if quick else 5
                 dist.barrier()
                 start = time.perf_counter()
@@ -153,11 +153,11 @@ def worker(rank: int, port: int, names: list, quick: bool, path: str) -> None:
                     step()
                 dist.barrier()
                 traced_s = (time.perf_counter() - start) / traced
-                origin_us = pipe._engine.trace_origin_ns / 1e3
+                origin_us = pipe.trace_origin_ns / 1e3
                 events = [(e.step, e.stage, e.microbatch, e.phase, e.peer,
                            origin_us + e.start_us, origin_us + e.end_us)
-                          for e in pipe._engine.trace().events]
-                pipe._engine.tracing = False
+                          for e in pipe.trace.events]
+                pipe.tracing = False
                 gathered = [None] * K
                 dist.all_gather_object(gathered, events)
                 comm = analyse(gathered, traced) if rank == 0 else {}

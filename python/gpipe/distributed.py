@@ -223,6 +223,35 @@ class Pipe(nn.Module):
         out = self._engine.eval_step(input if self.is_first else None)
         return out if self.is_last else None
 
+    @property
+    def tracing(self) -> bool:
+        """Whether this rank records its cells and its hand-offs with other
+        ranks (``send`` and ``receive`` events, naming the stage at the
+        other end in ``peer``); see :attr:`trace`."""
+        return self._engine.tracing
+
+    @tracing.setter
+    def tracing(self, on: bool) -> None:
+        self._engine.tracing = bool(on)
+
+    @property
+    def trace(self) -> "_C.Trace":
+        """What this rank recorded while :attr:`tracing` was on, as
+        :attr:`gpipe.Pipe.trace`; times count from :attr:`trace_origin_ns`."""
+        return self._engine.trace()
+
+    @property
+    def trace_origin_ns(self) -> int:
+        """Where this rank's trace times count from, on the host's steady
+        clock (``time.monotonic_ns()``): ``trace_origin_ns / 1e3 +
+        event.start_us`` puts the traces of all ranks of one machine on one
+        timeline."""
+        return self._engine.trace_origin_ns
+
+    def clear_trace(self) -> None:
+        """Forgets what was recorded."""
+        self._engine.clear_trace()
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """Refused: a pipeline over ranks runs whole steps on every rank
         (:meth:`train_step`, :meth:`eval_step`)."""

@@ -2,7 +2,7 @@
 
 The test spawns this file as 2 worker processes (``python test_distributed_trace.py
 SCENARIO`` with torch.distributed's environment); each traces a step and prints its events
-(times moved onto the machine's steady clock with the engine's ``trace_origin_ns``) as RESULT
+(times moved onto the machine's steady clock with the pipe's ``trace_origin_ns``) as RESULT
 lines, and the test matches the ranks' ends of every hand-off.
 """
 import json
@@ -98,12 +98,12 @@ def _worker_trace() -> None:
                                        target=y if pipe.is_last else None,
                                        loss_fn=nn.functional.mse_loss)
         step()  # untraced: no events
-        pipe._engine.tracing = True
+        pipe.tracing = True
         before = time.monotonic_ns()
         step()
         after = time.monotonic_ns()
-        origin = pipe._engine.trace_origin_ns
-        for e in pipe._engine.trace().events:
+        origin = pipe.trace_origin_ns
+        for e in pipe.trace.events:
             print("RESULT " + json.dumps(dict(
                 step=e.step, stage=e.stage, microbatch=e.microbatch, phase=e.phase, peer=e.peer,
                 start=origin / 1e3 + e.start_us, end=origin / 1e3 + e.end_us,
