@@ -1,4 +1,4 @@
-// test_distributed_pipe.cpp — gpipe::DistributedPipe over 1, 2 and 4 ranks (threads on fake process groups): every schedule and checkpoint mode equals gpipe::Pipe and the plain Sequential; skips across ranks; eval; failures reach every rank.
+// test_distributed_pipe.cpp — gpipe::DistributedPipe over 1, 2 and 4 ranks (threads on fake process groups): every schedule and checkpoint mode equals gpipe::Pipe and the plain Sequential; skips across ranks; tuple steps; pipelines x data-parallel replicas (dp_group); eval; failures reach every rank.
 #include <gpipe/distributed_pipe.h>
 
 #include "fake_group.h"
