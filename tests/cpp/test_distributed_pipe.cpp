@@ -1,9 +1,10 @@
-// test_distributed_pipe.cpp — gpipe::DistributedPipe over 1, 2 and 4 ranks (threads on fake process groups): every schedule and checkpoint mode equals gpipe::Pipe and the plain Sequential; skips across ranks; eval; failures reach every rank.
+// test_distributed_pipe.cpp — gpipe::DistributedPipe over 1, 2 and 4 ranks (threads on fake process groups): every schedule and checkpoint mode equals gpipe::Pipe and the plain Sequential; skips across ranks; tuple steps; pipelines x data-parallel replicas (dp_group); eval; failures reach every rank.
 #include <gpipe/distributed_pipe.h>
 
 #include "fake_group.h"
 #include "models.h"
 
+#include <array>
 #include <map>
 #include <sstream>
 
@@ -293,6 +294,310 @@ void check_failure_reaches_every_rank(FakeMatching matching) {
   }
 }
 
+
+// ---- several tensors between stages -----------------------------------------
+
+/// Takes (a, b), returns (tanh(A a + b), (B b) * tanh(a)): both outputs
+/// depend on both inputs, so a hand-off that swaps or drops one shows.
+class PairImpl : public torch::nn::Cloneable<PairImpl> {
+ public:
+  PairImpl() { reset(); }
+  void reset() override {
+    a = register_module("a", torch::nn::Linear(kWidth, kWidth));
+    b = register_module("b", torch::nn::Linear(kWidth, kWidth));
+    to(torch::kFloat64);
+  }
+  std::vector<torch::Tensor> forward(std::vector<torch::Tensor> in) {
+    return {torch::tanh(a(in[0]) + in[1]), b(in[1]) * torch::tanh(in[0])};
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(Pair);
+
+/// Takes one tensor x, returns (tanh(L x), x): a single input, a tuple out.
+class ForkImpl : public torch::nn::Cloneable<ForkImpl> {
+ public:
+  ForkImpl() { reset(); }
+  void reset() override {
+    linear = register_module("linear", torch::nn::Linear(kWidth, kWidth));
+    linear->to(torch::kFloat64);
+  }
+  std::vector<torch::Tensor> forward(const torch::Tensor& x) { return {torch::tanh(linear(x)), x}; }
+  torch::nn::Linear linear{nullptr};
+};
+TORCH_MODULE(Fork);
+
+// Eight Pairs: (a, b) in, (a', b') out, tuples across every rank boundary.
+torch::nn::Sequential eight_pairs() {
+  torch::manual_seed(6);
+  torch::nn::Sequential model;
+  for (int k = 0; k < 8; ++k) model->push_back(Pair());
+  return model;
+}
+
+torch::Tensor pair_loss(const std::vector<torch::Tensor>& out, const std::vector<torch::Tensor>& t) {
+  return torch::mse_loss(out[0], t[0]) + 0.5 * torch::mse_loss(out[1], t[1]);
+}
+
+std::vector<torch::Tensor> plain_forward(torch::nn::Sequential model,
+                                         std::vector<torch::Tensor> h) {
+  for (auto& layer : *model) h = layer.forward<std::vector<torch::Tensor>>(h);
+  return h;
+}
+
+// train_step_tuple and eval_step_tuple over 2 and 4 ranks: each rank's
+// grads and the loss equal the plain Sequential's; every output of the last
+// rank's eval equals the plain forward's, other ranks get none.
+void check_tuple_steps(FakeMatching matching) {
+  const int64_t chunks = 3;  // 7 rows: micro-batches of 3, 2, 2
+  const auto model = eight_pairs();
+  for (int ranks : {2, 4}) {
+    for (auto [schedule, v] : {std::pair{Schedule::OneFOneB, 1},
+                               std::pair{Schedule::Interleaved1F1B, 2},
+                               std::pair{Schedule::ZBH1, 1}}) {
+      const Layout layout{ranks, schedule, v, Checkpoint::ExceptLast};
+      INFO(describe(layout, false) << ", tuples");
+      const int64_t stages = ranks * v;
+      const std::vector<int64_t> balance(static_cast<size_t>(stages), 8 / stages);
+      torch::manual_seed(7);
+      const std::vector<torch::Tensor> inputs{randn64({7, kWidth}), randn64({7, kWidth})};
+      const std::vector<torch::Tensor> targets{randn64({7, kWidth}), randn64({7, kWidth})};
+
+      auto plain = copy_of(model);
+      auto expected = pair_loss(plain_forward(plain, inputs), targets);
+      expected.backward();
+      std::vector<torch::Tensor> expected_out;
+      {
+        torch::NoGradGuard no_grad;
+        expected_out = plain_forward(plain, inputs);
+      }
+
+      std::vector<torch::nn::Sequential> copies;
+      for (int r = 0; r < ranks; ++r) copies.push_back(copy_of(model));
+      const auto groups = fake_groups(ranks, matching);
+      std::vector<RankResult> results(static_cast<size_t>(ranks));
+      std::vector<std::vector<torch::Tensor>> evals(static_cast<size_t>(ranks));
+      const auto errors = run_ranks(ranks, [&](int rank) {
+        gpipe::DistributedPipe dp(copies[static_cast<size_t>(rank)],
+                                  options_for(layout, balance, chunks, groups, rank));
+        auto& out = results[static_cast<size_t>(rank)];
+        out.last = dp->is_last();
+        out.loss = dp->train_step_tuple(dp->is_first() ? inputs : std::vector<torch::Tensor>{},
+                                        dp->is_last() ? targets : std::vector<torch::Tensor>{},
+                                        pair_loss);
+        for (const auto& p : dp->named_parameters()) out.grads[p.key()] = p.value().grad();
+        evals[static_cast<size_t>(rank)] =
+            dp->eval_step_tuple(dp->is_first() ? inputs : std::vector<torch::Tensor>{});
+      });
+      REQUIRE(errors == std::vector<std::string>(static_cast<size_t>(ranks)));
+
+      const auto plain_params = plain->named_parameters();
+      size_t seen = 0;
+      for (int r = 0; r < ranks; ++r) {
+        const auto& out = results[static_cast<size_t>(r)];
+        const auto& eval = evals[static_cast<size_t>(r)];
+        INFO("rank " << r);
+        CHECK(out.last == (r == ranks - 1));
+        if (out.last) {
+          CHECK(max_abs_diff(out.loss, expected.detach()) <= kTolerance);
+          REQUIRE(eval.size() == expected_out.size());
+          for (size_t k = 0; k < eval.size(); ++k) {
+            INFO("output " << k);
+            CHECK(max_abs_diff(eval[k], expected_out[k]) <= kTolerance);
+          }
+        } else {
+          CHECK_FALSE(out.loss.defined());
+          CHECK(eval.empty());
+        }
+        for (const auto& [name, grad] : out.grads) {
+          INFO("parameter " << name);
+          REQUIRE(plain_params.contains(name));
+          CHECK(max_abs_diff(grad, plain_params[name].grad()) <= kTolerance);
+        }
+        seen += out.grads.size();
+      }
+      CHECK(seen == plain_params.size());
+    }
+  }
+}
+
+// A Sequential returning a tuple, trained or evaluated by the one-tensor
+// calls: the last rank's error points at the tuple call; no rank hangs.
+void check_single_tensor_call_on_tuple_output(FakeMatching matching) {
+  const int ranks = 2;
+  torch::manual_seed(8);
+  torch::nn::Sequential model{Fork(), Pair()};
+  const Layout layout{ranks, Schedule::OneFOneB, 1, Checkpoint::ExceptLast};
+  const auto x = randn64({4, kWidth});
+  for (bool train : {true, false}) {
+    INFO((train ? "train_step" : "eval_step"));
+    std::vector<torch::nn::Sequential> copies;
+    for (int r = 0; r < ranks; ++r) copies.push_back(copy_of(model));
+    const auto groups = fake_groups(ranks, matching, /*timeout=*/8s);
+    const auto start = Clock::now();
+    const auto errors = run_ranks(ranks, [&](int rank) {
+      gpipe::DistributedPipe dp(copies[static_cast<size_t>(rank)],
+                                options_for(layout, {1, 1}, 2, groups, rank));
+      if (train) {
+        dp->train_step(dp->is_first() ? x : torch::Tensor(), dp->is_last() ? x : torch::Tensor(),
+                       mse);
+      } else {
+        dp->eval_step(dp->is_first() ? x : torch::Tensor());
+      }
+    });
+    CHECK(Clock::now() - start < 6s);
+    INFO("rank 0: " << errors[0] << "\nrank 1: " << errors[1]);
+    CHECK_THAT(errors[1], Catch::Contains("returned 2 tensors") &&
+                              Catch::Contains(train ? "call train_step_tuple" : "call eval_step_tuple"));
+    // A training step fails on every rank; an eval's output is checked on
+    // the last rank only, after the step.
+    if (train) CHECK_FALSE(errors[0].empty());
+  }
+}
+
+
+// ---- pipeline x data parallelism --------------------------------------------
+
+// 4 threads = 2 pipelines of 2 ranks (threads {0, 1} and {2, 3}) x 2
+// replicas of each stage (threads {0, 2} and {1, 3}): thread r is rank r % 2
+// of pipeline r / 2 and rank r / 2 of data group r % 2.
+struct PpDp {
+  Schedule schedule;
+  int64_t virtual_stages;
+  FakeMatching matching;   // the pipelines'; the data groups match by tag (Gloo)
+  double bucket_cap_mb;    // 0: the default
+  bool frozen;             // layer 2's weight requires no grad
+};
+
+std::string describe(const PpDp& c) {
+  std::ostringstream s;
+  s << c.schedule << ", virtual_stages " << c.virtual_stages << ", pipelines "
+    << (c.matching == FakeMatching::ByTag ? "by tag" : "by order") << ", bucket_cap_mb "
+    << (c.bucket_cap_mb > 0 ? std::to_string(c.bucket_cap_mb) : std::string("default"))
+    << (c.frozen ? ", layer 2's weight frozen" : "");
+  return s.str();
+}
+
+// Each pipeline trains on its half of a batch, twice (two batches, grads
+// not zeroed between): after each step every thread's grads equal the plain
+// Sequential's after loss.backward() on the whole batches (equal halves, so
+// the whole batch's mean loss is the halves' average), and each pipeline's
+// loss is its half's.
+void check_pp_dp(const PpDp& c) {
+  INFO(describe(c));
+  constexpr int kThreads = 4;
+  const int64_t chunks = 2;  // halves of 4 rows: micro-batches of 2
+  const auto model = eight_layers();
+  auto freeze = [&](const torch::nn::Sequential& m) {
+    if (c.frozen) m->ptr(2)->named_parameters()["weight"].requires_grad_(false);
+  };
+  const int64_t stages = 2 * c.virtual_stages;
+  const std::vector<int64_t> balance(static_cast<size_t>(stages), 8 / stages);
+  torch::manual_seed(9);
+  const std::vector<torch::Tensor> xs{randn64({8, kWidth}), randn64({8, kWidth})};
+  const std::vector<torch::Tensor> ys{randn64({8, kWidth}), randn64({8, kWidth})};
+  auto half = [](const torch::Tensor& t, int pipeline) { return t.narrow(0, 4 * pipeline, 4); };
+
+  auto plain = copy_of(model);
+  freeze(plain);
+  std::vector<torch::Tensor> expected_loss;
+  std::vector<std::map<std::string, torch::Tensor>> expected_grads;
+  std::vector<std::array<torch::Tensor, 2>> expected_half_loss;
+  for (size_t step = 0; step < 2; ++step) {
+    auto loss = mse(plain->forward(xs[step]), ys[step]);
+    loss.backward();
+    expected_loss.push_back(loss.detach());
+    std::map<std::string, torch::Tensor> grads;
+    for (const auto& p : plain->named_parameters()) {
+      grads[p.key()] = p.value().grad().defined() ? p.value().grad().clone() : torch::Tensor();
+    }
+    expected_grads.push_back(std::move(grads));
+    torch::NoGradGuard no_grad;
+    expected_half_loss.push_back({mse(plain->forward(half(xs[step], 0)), half(ys[step], 0)),
+                                  mse(plain->forward(half(xs[step], 1)), half(ys[step], 1))});
+  }
+
+  std::vector<torch::nn::Sequential> copies;
+  for (int r = 0; r < kThreads; ++r) {
+    copies.push_back(copy_of(model));  // clone() resets requires_grad: freeze each copy
+    freeze(copies.back());
+  }
+  const std::array<FakeGroups, 2> pipelines{fake_groups(2, c.matching), fake_groups(2, c.matching)};
+  const std::array<std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>, 2> data{
+      make_fake_groups(2, FakeMatching::ByTag), make_fake_groups(2, FakeMatching::ByTag)};
+  const Layout layout{2, c.schedule, c.virtual_stages, Checkpoint::ExceptLast};
+  // [thread][step]
+  std::vector<std::array<RankResult, 2>> results(kThreads);
+  const auto errors = run_ranks(kThreads, [&](int thread) {
+    const int pipeline = thread / 2;
+    auto options = options_for(layout, balance, chunks, pipelines[static_cast<size_t>(pipeline)],
+                               thread % 2)
+                       .dp_group(data[static_cast<size_t>(thread % 2)][static_cast<size_t>(pipeline)]);
+    if (c.bucket_cap_mb > 0) options.bucket_cap_mb(c.bucket_cap_mb);
+    gpipe::DistributedPipe dp(copies[static_cast<size_t>(thread)], options);
+    for (size_t step = 0; step < 2; ++step) {
+      auto& out = results[static_cast<size_t>(thread)][step];
+      out.first = dp->is_first();
+      out.last = dp->is_last();
+      out.loss = dp->train_step(dp->is_first() ? half(xs[step], pipeline) : torch::Tensor(),
+                                dp->is_last() ? half(ys[step], pipeline) : torch::Tensor(), mse);
+      for (const auto& p : dp->named_parameters()) {
+        const auto& g = p.value().grad();
+        out.grads[p.key()] = g.defined() ? g.clone() : torch::Tensor();
+      }
+    }
+  });
+  REQUIRE(errors == std::vector<std::string>(kThreads));
+
+  for (size_t step = 0; step < 2; ++step) {
+    INFO("after step " << step + 1);
+    std::map<std::string, int> holders;
+    std::array<torch::Tensor, 2> pipeline_loss;
+    for (int thread = 0; thread < kThreads; ++thread) {
+      INFO("thread " << thread);
+      const auto& out = results[static_cast<size_t>(thread)][step];
+      CHECK(out.first == (thread % 2 == 0));
+      CHECK(out.last == (thread % 2 == 1));
+      if (out.last) {
+        const int pipeline = thread / 2;
+        CHECK(max_abs_diff(out.loss, expected_half_loss[step][static_cast<size_t>(pipeline)]) <=
+              kTolerance);
+        pipeline_loss[static_cast<size_t>(pipeline)] = out.loss;
+      } else {
+        CHECK_FALSE(out.loss.defined());
+      }
+      for (const auto& [name, grad] : out.grads) {
+        INFO("parameter " << name);
+        REQUIRE(expected_grads[step].contains(name));
+        const auto& want = expected_grads[step].at(name);
+        CHECK(grad.defined() == want.defined());
+        CHECK(max_abs_diff(grad, want) <= kTolerance);
+        ++holders[name];
+      }
+    }
+    if (pipeline_loss[0].defined() && pipeline_loss[1].defined()) {
+      CHECK(max_abs_diff((pipeline_loss[0] + pipeline_loss[1]) / 2, expected_loss[step]) <=
+            kTolerance);
+    }
+    // Every parameter on one rank of each pipeline.
+    CHECK(holders.size() == expected_grads[step].size());
+    for (const auto& [name, count] : holders) {
+      INFO("parameter " << name);
+      CHECK(count == 2);
+    }
+    if (c.frozen) CHECK_FALSE(expected_grads[step].at("2.weight").defined());
+  }
+}
+
+void check_pp_dp_every_schedule(FakeMatching matching) {
+  for (auto [schedule, v] : {std::pair{Schedule::OneFOneB, 1},
+                             std::pair{Schedule::Interleaved1F1B, 2},
+                             std::pair{Schedule::ZBH1, 1}}) {
+    // 1e-6 MiB (1 byte): one bucket per parameter.
+    for (double cap : {0.0, 1e-6}) check_pp_dp({schedule, v, matching, cap, false});
+  }
+}
+
 }  // namespace
 
 TEST_CASE("distributed_pipe: one rank's step equals the plain Sequential's", "[distributed]") {
@@ -401,4 +706,52 @@ TEST_CASE("distributed_pipe: by order without a reverse group, the hand-offs wai
   }
   const std::string both = errors[0] + errors[1];
   CHECK(both.find("timeout") != std::string::npos);
+}
+
+TEST_CASE("distributed_pipe: several inputs and outputs (train_step_tuple, eval_step_tuple) on 2 "
+          "and 4 ranks by tag (Gloo-like) equal the Sequential",
+          "[distributed]") {
+  check_tuple_steps(FakeMatching::ByTag);
+}
+
+TEST_CASE("distributed_pipe: several inputs and outputs (train_step_tuple, eval_step_tuple) on 2 "
+          "and 4 ranks by order (NCCL-like, reverse group) equal the Sequential",
+          "[distributed][ordered]") {
+  check_tuple_steps(FakeMatching::ByOrder);
+}
+
+TEST_CASE("distributed_pipe: train_step or eval_step on a Sequential returning a tuple fails, "
+          "pointing at the tuple call, by tag (Gloo-like)",
+          "[distributed]") {
+  check_single_tensor_call_on_tuple_output(FakeMatching::ByTag);
+}
+
+TEST_CASE("distributed_pipe: train_step or eval_step on a Sequential returning a tuple fails, "
+          "pointing at the tuple call, by order (NCCL-like)",
+          "[distributed][ordered]") {
+  check_single_tensor_call_on_tuple_output(FakeMatching::ByOrder);
+}
+
+TEST_CASE("distributed_pipe: 2 pipelines x 2 replicas (dp_group, by tag) train as one replica on "
+          "the whole batch, every schedule, default and one-parameter buckets, two steps "
+          "accumulating",
+          "[distributed]") {
+  check_pp_dp_every_schedule(FakeMatching::ByTag);
+}
+
+TEST_CASE("distributed_pipe: 2 pipelines (by order, NCCL-like, reverse groups) x 2 replicas "
+          "(dp_group, by tag) train as one replica on the whole batch, every schedule, default "
+          "and one-parameter buckets, two steps accumulating",
+          "[distributed][ordered]") {
+  check_pp_dp_every_schedule(FakeMatching::ByOrder);
+}
+
+TEST_CASE("distributed_pipe: with dp_group a frozen parameter keeps no grad on any replica, the "
+          "others are averaged",
+          "[distributed]") {
+  for (auto [schedule, v] : {std::pair{Schedule::OneFOneB, 1},
+                             std::pair{Schedule::Interleaved1F1B, 2},
+                             std::pair{Schedule::ZBH1, 1}}) {
+    for (double cap : {0.0, 1e-6}) check_pp_dp({schedule, v, FakeMatching::ByTag, cap, true});
+  }
 }
