@@ -33,9 +33,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(scenario: str, world: int = WORLD, handoffs: str = "tagged", **env_vars: str) -> dict:
-    """Runs ``scenario`` on ``world`` processes with hand-offs matched by tag (Gloo's way) or
-    by order (NCCL's, over Gloo here: GPIPE_HANDOFFS=ordered); returns {rank: [result, ...]}."""
+def _spawn(scenario: str, world: int = WORLD, handoffs: str = "tagged", script: str = __file__,
+           **env_vars: str) -> dict:
+    """Runs ``python script scenario`` (this file's workers by default) on ``world`` processes
+    with hand-offs matched by tag (Gloo's way) or by order (NCCL's, over Gloo here:
+    GPIPE_HANDOFFS=ordered); returns {"results": {rank: [result, ...]}, "logs", "codes"}."""
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -43,7 +45,7 @@ def _spawn(scenario: str, world: int = WORLD, handoffs: str = "tagged", **env_va
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", GPIPE_HANDOFFS=handoffs,
                    **env_vars)
         env["PYTHONPATH"] = os.pathsep.join(sys.path)
-        procs.append(subprocess.Popen([sys.executable, __file__, scenario], env=env,
+        procs.append(subprocess.Popen([sys.executable, script, scenario], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + SPAWN_DEADLINE
     outputs = []

@@ -25,12 +25,7 @@ SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1))
 
 def _spawn(scenario: str) -> dict:
     """td._spawn, running this file's workers."""
-    saved = td.__file__
-    td.__file__ = os.path.abspath(__file__)
-    try:
-        return td._spawn(scenario, WORLD)
-    finally:
-        td.__file__ = saved
+    return td._spawn(scenario, WORLD, script=os.path.abspath(__file__))
 
 
 def _groups():

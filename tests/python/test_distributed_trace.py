@@ -7,8 +7,6 @@ lines, and the test matches the ranks' ends of every hand-off.
 """
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -19,9 +17,8 @@ from torch import nn
 WORLD = 2
 STAGES = 8  # virtual_stages 4: stage s on rank s % 2
 CHUNKS = 4
-# Two processes importing torch on busy cores, then a few steps.
-SPAWN_DEADLINE = 120
 
+import test_distributed as td  # noqa: E402
 from gpipe.skip import Namespace, pop, skippable, stash  # noqa: E402
 
 
@@ -47,37 +44,12 @@ def _with_skips() -> nn.Sequential:
                          _Add().isolate(a)).double()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(scenario: str) -> dict:
-    """Runs ``scenario`` on WORLD processes; returns {rank: [result, ...]}."""
-    port = _free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        env["PYTHONPATH"] = os.pathsep.join(sys.path)
-        procs.append(subprocess.Popen([sys.executable, __file__, scenario], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + SPAWN_DEADLINE
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-        outputs.append(out)
-    logs = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n{o}"
-                     for r, (p, o) in enumerate(zip(procs, outputs)))
-    assert all(p.returncode == 0 for p in procs), logs
-    return {rank: [json.loads(line[len("RESULT "):]) for line in out.splitlines()
-                   if line.startswith("RESULT ")]
-            for rank, out in enumerate(outputs)}
+    """Runs ``scenario`` on WORLD processes (test_distributed's spawner); returns {rank:
+    [result, ...]}."""
+    run = td._spawn(scenario, WORLD, script=os.path.abspath(__file__))
+    assert run["codes"] == [0] * WORLD, run["logs"]
+    return run["results"]
 
 
 def _worker_trace() -> None:
