@@ -664,8 +664,8 @@ TEST_CASE("distributed_pipe: a failing rank fails every rank by tag (Gloo-like),
   check_failure_reaches_every_rank(FakeMatching::ByTag);
 }
 
-// NCCL-like matching with a reverse group: needs the transport's ordered
-// hand-off mode (until then the transport refuses a non-Gloo group).
+// NCCL-like matching with a reverse group: the transport's ordered hand-offs
+// (any backend but Gloo).
 TEST_CASE("distributed_pipe: 2 and 4 ranks by order (NCCL-like, reverse group) equal Pipe and "
           "the Sequential, every schedule and mode, with and without skips across ranks",
           "[distributed][ordered]") {

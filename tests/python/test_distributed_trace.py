@@ -19,29 +19,16 @@ STAGES = 8  # virtual_stages 4: stage s on rank s % 2
 CHUNKS = 4
 
 import test_distributed as td  # noqa: E402
-from gpipe.skip import Namespace, pop, skippable, stash  # noqa: E402
-
-
-@skippable(stash=["skip"])
-class _Save(nn.Module):
-    def forward(self, x):
-        yield stash("skip", x)
-        return x
-
-
-@skippable(pop=["skip"])
-class _Add(nn.Module):
-    def forward(self, x):
-        return x + (yield pop("skip"))
+from gpipe.skip import Namespace  # noqa: E402
 
 
 def _with_skips() -> nn.Sequential:
     """8 one-layer stages, skips 0 -> 7 (rank 0 to rank 1) and 3 -> 5 (rank 1 to itself)."""
     torch.manual_seed(0)
     a, b = Namespace(), Namespace()
-    return nn.Sequential(_Save().isolate(a), nn.Linear(6, 6), nn.Tanh(), _Save().isolate(b),
-                         nn.Linear(6, 6), _Add().isolate(b), nn.Tanh(),
-                         _Add().isolate(a)).double()
+    return nn.Sequential(td._Save().isolate(a), nn.Linear(6, 6), nn.Tanh(),
+                         td._Save().isolate(b), nn.Linear(6, 6), td._Add().isolate(b), nn.Tanh(),
+                         td._Add().isolate(a)).double()
 
 
 def _spawn(scenario: str) -> dict:
