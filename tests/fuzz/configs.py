@@ -26,7 +26,7 @@ before.
 """
 import random
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from compare import TOL, Hang, Mismatch, run_config
 
@@ -48,6 +48,9 @@ class LayerSpec:
     ref: Optional[int] = None
     frozen: bool = False
     dims: Tuple[int, ...] = ()  # (in, out) of a Linear, for TiedLinear
+    #: The skips (by pair id, see :func:`_skips`) this layer stashes and pops.
+    stashes: Tuple[int, ...] = ()
+    pops: Tuple[int, ...] = ()
 
     def expr(self) -> str:
         e = self.src.replace("{ref}", str(self.ref))
@@ -55,7 +58,7 @@ class LayerSpec:
 
     def short(self) -> str:
         e = self.src.replace("layers[{ref}]", f"#{self.ref}").replace(", dtype=dtype", "")
-        e = e.replace("dtype=dtype", "").replace("nn.", "")
+        e = e.replace("dtype=dtype", "").replace("nn.", "").replace(".isolate(", "@(")
         return e + "/frozen" if self.frozen else e
 
 
@@ -102,6 +105,8 @@ class Config:
     step: Optional[str] = None
     #: Stages per device (interleaved_1f1b): ``len(balance) // virtual_stages`` devices.
     virtual_stages: int = 1
+    #: How many gpipe.skip Namespaces the skip layers isolate into (``ns[i]`` in the body).
+    namespaces: int = 0
 
     def summary(self) -> str:
         inputs = ", ".join(("mask" if s.kind == "mask" else
@@ -148,6 +153,8 @@ class Config:
     def body(self) -> str:
         """The reproduction: builds model, Pipe and inputs, then runs :func:`check`."""
         lines = [f"dtype = torch.{self.dtype}", f"torch.manual_seed({self.seed})", "layers = []"]
+        if self.namespaces:
+            lines.insert(2, f"ns = [Namespace() for _ in range({self.namespaces})]")
         lines += [f"layers.append({s.expr()})  # {i}" for i, s in enumerate(self.layers)]
         k = self.workers()
         inputs = [s.expr(self.rows) for s in self.inputs]
@@ -294,7 +301,9 @@ def features_of(cfg: Config) -> List[str]:
     checkpoint modes; 'batch_dim' (the Pipe gets batch_dim or output_batch_dim), and the batch
     dim variants 'batch-second', 'batch-out', 'shared-input', 'tagged-output' (layer kinds);
     'train_step' with the schedule's name ('gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1') and
-    'virtual_stages' (more than one stage per device) in place of the backward mode."""
+    'virtual_stages' (more than one stage per device) in place of the backward mode; 'skips'
+    (any skip connection, the layer kinds 'stash', 'pop', 'relay'), 'skip-crossing' (one
+    crosses a stage boundary), 'skip-namespace' (isolated), 'skip-none' (a None skip)."""
     found = {s.kind for s in cfg.layers} | {cfg.checkpoint}
     found |= {"train_step", cfg.step} if cfg.step else {cfg.backward}
     found |= {"virtual_stages"} if cfg.virtual_stages > 1 else set()
@@ -307,7 +316,20 @@ def features_of(cfg: Config) -> List[str]:
     found |= {"no_grad"} if cfg.no_grad else set()
     found |= {"pre_grad"} if cfg.pre_grad else set()
     found |= {"batch_dim"} if cfg.batch_dim != 0 or cfg.output_batch_dim is not None else set()
+    spans = skip_spans(cfg)
+    found |= {"skips"} if spans else set()
+    found |= {"skip-crossing"} if any(spans.values()) else set()
+    found |= {"skip-namespace"} if any(".isolate(" in s.src for s in cfg.layers) else set()
+    found |= {"skip-none"} if any("'none'" in s.src for s in cfg.layers) else set()
     return sorted(found)
+
+
+def skip_spans(cfg: Config) -> Dict[int, int]:
+    """How many stage boundaries each skip (by pair id) crosses: 0 within a stage."""
+    stage = [j for j, b in enumerate(cfg.balance) for _ in range(b)]
+    stashed = {p: stage[i] for i, s in enumerate(cfg.layers) for p in s.stashes}
+    return {p: stage[i] - stashed[p] for i, s in enumerate(cfg.layers) for p in s.pops
+            if p in stashed}
 
 
 #: Batch dim variants (each drawn on its own): the batch at dim 1 of the inputs given, the
@@ -385,6 +407,88 @@ def _batch_dims(seed: int, body: List[LayerSpec], inputs: List[InputSpec],
     return layers, inputs, batch_dim, output_batch_dim
 
 
+#: The share of configurations with skip connections; their pairs per configuration.
+SKIP_ODDS, SKIP_PAIRS = 0.25, (1, 1, 1, 2, 2, 3)
+SKIP_NAMES = ("a", "b", "c")
+
+
+def _skips(seed: int, body: List[LayerSpec],
+           sig: Tuple[Any, ...]) -> Tuple[List[LayerSpec], int]:
+    """Now and then ``body`` (whose input signature is ``sig``) with skip connections: 1 to 3
+    stash/pop pairs (gpipe.skip), each stash and its pop at random places a flat tensor flows
+    (the pop after the stash, maybe right after it), now and then chained by a relay (pops
+    one, stashes the next); a name used again, and now and then a first use, isolated into
+    a Namespace of its own. Each skip layer keeps the signature, so the rest of the model
+    stays as drawn; where the balance cuts decides whether a skip stays in a stage or
+    crosses 1 or more. Returns the layers and the number of namespaces."""
+    # Its own generator (see the module docstring): configurations without skips are as before.
+    rng = random.Random(f"skips {seed}")
+    if rng.random() >= SKIP_ODDS:
+        return body, 0
+    sigs = [sig] + [s.sig_out for s in body]
+    slots = [i for i, g in enumerate(sigs) if g[0] == "flat"]
+    if not slots:
+        return body, 0
+    events: List[List[LayerSpec]] = [[] for _ in sigs]  # inserted in front of body[i]
+    defaults: set = set()   # names used in the default namespace
+    namespaces = 0
+
+    def name_for(avoid: str = "") -> Tuple[str, str]:
+        """A name and its ``.isolate(...)`` suffix ('' for the default namespace)."""
+        nonlocal namespaces
+        name = rng.choice([n for n in SKIP_NAMES if n != avoid])
+        if name in defaults or rng.random() < 0.25:
+            namespaces += 1
+            return name, f"ns[{namespaces - 1}]"
+        defaults.add(name)
+        return name, ""
+
+    def frozen(how: str) -> bool:
+        return how in ("input", "linear", "add", "cat") and rng.random() < 0.12
+
+    pair = 0
+    for _ in range(rng.choice(SKIP_PAIRS)):
+        a = rng.choice(slots)
+        d = sigs[a][1]
+        how = rng.choices(["input", "tanh", "linear", "detached", "none"],
+                          weights=[4, 3, 3, 1.5, 1.5])[0]
+        ds = {"linear": rng.randint(1, 6), "none": None}.get(how, d)
+        name, ns = name_for()
+        events[a].append(LayerSpec("stash", f"Stash({name!r}, {how!r}, {d}, {ds}, dtype=dtype)"
+                                   + (f".isolate({ns})" if ns else ""), sigs[a], sigs[a],
+                                   frozen=frozen(how), stashes=(pair,)))
+        b = rng.choice([i for i in slots if i >= a])
+        while rng.random() < 0.2:  # a relay: pops this skip at b, stashes the next one
+            d = sigs[b][1]
+            how = rng.choice(["forward", "fresh"])
+            out, out_ns = name_for(avoid=name)
+            isolate = (f".isolate({ns}, only=[{name!r}])" if ns else "") + (
+                f".isolate({out_ns}, only=[{out!r}])" if out_ns else "")
+            events[b].append(LayerSpec("relay", f"Relay({name!r}, {out!r}, {how!r}, {d}, {ds}, "
+                                                f"dtype=dtype){isolate}", sigs[b], sigs[b],
+                                       frozen=ds is not None and rng.random() < 0.12,
+                                       stashes=(pair + 1,), pops=(pair,)))
+            pair, name, ns = pair + 1, out, out_ns
+            ds = ds if how == "forward" else d
+            b = rng.choice([i for i in slots if i >= b])
+        d = sigs[b][1]
+        ways = (["none"] if ds is None else ["add", "mul", "cat", "ignore"]
+                + (["take"] if ds == d else []))
+        how = rng.choice(ways)
+        events[b].append(LayerSpec("pop", f"Pop({name!r}, {how!r}, {d}, {ds}, dtype=dtype)"
+                                   + (f".isolate({ns})" if ns else ""), sigs[b], sigs[b],
+                                   frozen=frozen(how), pops=(pair,)))
+        pair += 1
+    layers: List[LayerSpec] = []
+    moved: Dict[int, int] = {}  # body index -> index in layers (TiedLinear's references)
+    for i in range(len(sigs)):
+        layers += events[i]
+        if i < len(body):
+            moved[i] = len(layers)
+            layers.append(body[i])
+    return [replace(s, ref=None if s.ref is None else moved[s.ref]) for s in layers], namespaces
+
+
 def generate(seed: int) -> Config:
     """The configuration of ``seed`` (the same on every machine and run)."""
     rng = random.Random(seed)
@@ -405,6 +509,7 @@ def generate(seed: int) -> Config:
         d = rng.randint(1, 6)
         sig, inputs = ("masked", d), [InputSpec("float", (d,), grad()), InputSpec("mask", ())]
     layers: List[LayerSpec] = []
+    first = sig
     for _ in range(rng.choice([1, 2, 3, 3, 4, 4, 5, 5, 6, 7, 8])):
         layers.append(_pick_layer(rng, sig, layers))
         sig = layers[-1].sig_out
@@ -412,6 +517,7 @@ def generate(seed: int) -> Config:
         for s in layers:
             s.frozen = s.kind in ("linear", "layernorm", "split", "conv", "mix", "first-only",
                                   "join", "masked")
+    layers, namespaces = _skips(seed, layers, first)
     layers, inputs, batch_dim, output_batch_dim = _batch_dims(seed, layers, inputs, sig)
     n = len(layers)
     k = rng.randint(1, min(4, n))
@@ -426,7 +532,7 @@ def generate(seed: int) -> Config:
                  dtype="float32" if rng.random() < 0.1 else "float64",
                  rows=rng.randint(1, 8), inputs=inputs, training=rng.random() < 0.8,
                  no_grad=rng.random() < 0.12, backward=backward, pre_grad=rng.random() < 0.25,
-                 batch_dim=batch_dim, output_batch_dim=output_batch_dim)
+                 batch_dim=batch_dim, output_batch_dim=output_batch_dim, namespaces=namespaces)
     cfg = _train_step(seed, cfg)
     cfg.features = features_of(cfg)
     return cfg
@@ -475,8 +581,12 @@ def _smaller(cfg: Config) -> Iterable[Config]:
         if getattr(cfg, flag):
             yield replace(cfg, **{flag: False})
     for i, s in enumerate(cfg.layers):  # drop a layer that keeps the signature
-        if len(cfg.layers) > 1 and s.sig_in == s.sig_out and all(t.ref != i for t in cfg.layers):
-            yield _without_layer(cfg, i)
+        if (len(cfg.layers) > 1 and s.sig_in == s.sig_out and all(t.ref != i for t in cfg.layers)
+                and not s.stashes and not s.pops):
+            yield _without_layers(cfg, {i})
+    for chain in _skip_chains(cfg):  # drop a skip: its stash, pop and relays together
+        if len(chain) < len(cfg.layers):
+            yield _without_layers(cfg, chain)
     for j in range(len(cfg.balance) - 1):  # merge two neighbouring stages
         yield _fit(replace(cfg, balance=cfg.balance[:j] + [cfg.balance[j] + cfg.balance[j + 1]]
                            + cfg.balance[j + 2:]))
@@ -500,15 +610,31 @@ def _smaller(cfg: Config) -> Iterable[Config]:
             yield replace(cfg, checkpoint=mode)
 
 
-def _without_layer(cfg: Config, i: int) -> Config:
-    """``cfg`` less layer i: references shift down, its stage loses one layer (gone if empty)."""
-    layers = [replace(s, ref=None if s.ref is None else s.ref - (s.ref > i))
-              for j, s in enumerate(cfg.layers) if j != i]
+def _without_layers(cfg: Config, gone: set) -> Config:
+    """``cfg`` less the layers ``gone`` (none referenced by another layer): references shift
+    down, their stages lose them (a stage left empty goes)."""
+    layers = [replace(s, ref=None if s.ref is None else s.ref - sum(g < s.ref for g in gone))
+              for j, s in enumerate(cfg.layers) if j not in gone]
     balance, start = [], 0
     for b in cfg.balance:
-        balance.append(b - (start <= i < start + b))
+        balance.append(b - sum(start <= g < start + b for g in gone))
         start += b
     return _fit(replace(cfg, layers=layers, balance=[b for b in balance if b > 0]))
+
+
+def _skip_chains(cfg: Config) -> List[set]:
+    """The skip layers by connected skip: a stash, the relays its skip passes, the last pop
+    (layer indices), in the order of their first layer."""
+    chains: List[set] = []
+    for i, s in enumerate(cfg.layers):
+        ids = set(s.stashes) | set(s.pops)
+        if not ids:
+            continue
+        joined = [c for c in chains if any(ids & set(cfg.layers[j].stashes + cfg.layers[j].pops)
+                                           for j in c)]
+        merged = {i}.union(*joined)
+        chains = [c for c in chains if c not in joined] + [merged]
+    return sorted(chains, key=min)
 
 
 def _fit(cfg: Config) -> Config:

@@ -77,6 +77,9 @@ class Summary:
     batch_dims: Dict[str, int] = field(default_factory=dict)
     #: Configurations run with train_step, by schedule (and 'virtual_stages').
     steps: Dict[str, int] = field(default_factory=dict)
+    #: Configurations with skip connections, and those with one crossing a stage boundary.
+    skips: int = 0
+    skips_crossing: int = 0
     seconds: float = 0.0
 
 
@@ -99,6 +102,8 @@ def run(seeds: Iterable[int], *, only: Sequence[str] = (), skip: Sequence[str] =
         for variant in ("train_step",) + SCHEDULES + ("virtual_stages",):
             if variant in cfg.features:
                 summary.steps[variant] = summary.steps.get(variant, 0) + 1
+        summary.skips += "skips" in cfg.features
+        summary.skips_crossing += "skip-crossing" in cfg.features
         if verbose:
             write(f"seed {seed}: {cfg.summary()}")
         try:
@@ -153,9 +158,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--without", default="",
                         help="skip configurations with any of these features (layer kinds such "
                              "as external, closure, buffer, tied, cond-dropout, dropout, inplace, "
-                             "raise; frozen, inplace-first, tuple-input, float32, eval, no_grad, "
-                             "pre_grad; backward modes; checkpoint modes; train_step, its "
-                             "schedules gpipe, 1f1b, interleaved_1f1b, zb_h1, virtual_stages)")
+                             "raise, stash, pop, relay; frozen, inplace-first, tuple-input, float32, "
+                             "eval, no_grad, pre_grad; backward modes; checkpoint modes; "
+                             "train_step, its schedules gpipe, 1f1b, interleaved_1f1b, zb_h1, "
+                             "virtual_stages; skips, skip-crossing, skip-namespace, skip-none)")
     parser.add_argument("--with", dest="needs", default="",
                         help="run only configurations with all of these features (as --without "
                              "names them), e.g. train_step or zb_h1")
@@ -190,6 +196,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     variants = ", ".join(f"{v} {n}" for v, n in summary.batch_dims.items())
     print(f"fuzz: batch dims: {variants or 'none'} (configurations; 'batch_dim': the Pipe got "
           f"batch_dim or output_batch_dim)")
+    print(f"fuzz: skips: {summary.skips} configurations ({summary.skips_crossing} crossing stages)")
     print(f"fuzz: {summary.configurations} configurations, {summary.mismatches} mismatches "
           f"({summary.cloned} compared against the boundary-cloned model)")
     if "hang" in summary.by_category:

@@ -15,6 +15,16 @@ exactly: the plain model's grads are those of the masks the Pipe's forward
 actually used, and a recompute that draws a different mask shows up as a
 ``[grad]`` mismatch. :class:`CondDropout` draws only on micro-batches with
 fewer rows than a threshold (the small last one).
+
+Skips (``gpipe.skip``): :func:`Stash`, :func:`Pop` and :func:`Relay` build
+``@skippable`` layers for any skip name (one decorated class per name set,
+made on first use), so a configuration pairs them freely: a stash of the input
+itself, of a function of it or of None; a pop that adds, multiplies,
+concatenates, ignores or returns the popped tensor; a relay that pops one skip
+and stashes another. Each keeps its flat signature, so they go anywhere a
+flat tensor flows. Isolated into ``Namespace`` objects, one name serves
+several pairs. A plain ``nn.Sequential`` of them runs as it is (the thread's
+skip tracker carries the skips), which is the reference.
 """
 import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -24,11 +34,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import gpipe
+from gpipe.skip import Namespace, pop, skippable, stash
 
 __all__ = ["FuzzError", "ReplayError", "MaskDropout", "CondDropout", "ExternalMatmul", "Shared",
            "ClosureMatmul", "BufferScale", "TiedLinear", "Detach", "Constant", "RaiseIf",
            "RaiseInBackward", "Split", "Mix", "Swap", "PairTanh", "FirstOnly", "Join",
-           "PairProduct", "Masked", "Unmask", "MoveBatch", "WithTable", "Tagged"]
+           "PairProduct", "Masked", "Unmask", "MoveBatch", "WithTable", "Tagged",
+           "Stash", "Pop", "Relay", "Namespace"]
 
 class FuzzError(Exception):
     """Raised on purpose by RaiseIf / RaiseInBackward: the Pipe must raise this very type."""
@@ -332,3 +344,123 @@ class Tagged(nn.Module):
 
     def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
         return x, 2.0 * self.t
+
+
+# -- skips: gpipe.skip's @skippable layers ---------------------------------------------------
+
+_SKIPPABLES: Dict[Tuple[type, Tuple[str, ...], Tuple[str, ...]], type] = {}
+
+
+def _skippable(body: type, stashes: Tuple[str, ...] = (), pops: Tuple[str, ...] = ()) -> type:
+    """``@skippable(stash=stashes, pop=pops)`` over ``body``, one class per name set (the
+    names are the class's: a configuration picks them freely)."""
+    key = (body, stashes, pops)
+    if key not in _SKIPPABLES:
+        _SKIPPABLES[key] = skippable(stash=list(stashes), pop=list(pops))(body)
+    return _SKIPPABLES[key]
+
+
+class StashBody(nn.Module):
+    """What :func:`Stash` stashes under ``name`` and returns, by ``how``:
+
+    * 'input': stashes x itself, returns lin(x);
+    * 'tanh': stashes tanh(x), returns x (the very input);
+    * 'linear': stashes lin(x), ``ds`` wide, returns sin(x);
+    * 'detached': stashes tanh(x).detach() (a skip that requires no grad), returns 1.5 x;
+    * 'none': stashes None (a skip that carries nothing), returns x + 1."""
+
+    def __init__(self, name: str, how: str, d: int, ds: Optional[int],
+                 dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        self.name, self.how = name, how
+        if how in ("input", "linear"):
+            self.lin = nn.Linear(d, d if how == "input" else int(ds or 1), dtype=dtype)
+
+    def forward(self, x: Tensor) -> Any:
+        if self.how == "input":
+            yield stash(self.name, x)
+            return self.lin(x)
+        if self.how == "tanh":
+            yield stash(self.name, torch.tanh(x))
+            return x
+        if self.how == "linear":
+            yield stash(self.name, self.lin(x))
+            return torch.sin(x)
+        if self.how == "detached":
+            yield stash(self.name, torch.tanh(x).detach())
+            return 1.5 * x
+        yield stash(self.name, None)
+        return x + 1
+
+
+def _combine(layer: nn.Module, how: str, x: Tensor, skip: Optional[Tensor]) -> Tensor:
+    """x with the popped ``skip``, by ``how`` (see :class:`PopBody`)."""
+    if how == "none":
+        if skip is not None:  # the plain model pops None: the Pipe must too
+            raise FuzzError(f"the None skip arrived as {type(skip).__name__}")
+        return torch.tanh(x)
+    assert skip is not None
+    if how == "add":
+        return x + layer.lin(skip)
+    if how == "mul":
+        return x * torch.tanh(skip).sum(1, keepdim=True)
+    if how == "cat":
+        return layer.lin(torch.cat([x, skip], 1))
+    if how == "ignore":
+        return torch.tanh(x)
+    return skip  # 'take'
+
+
+class PopBody(nn.Module):
+    """What :func:`Pop` returns from its input x and the skip popped under ``name`` (``ds``
+    wide, None for a None skip), by ``how``: 'add' x + lin(skip), 'mul' x * rowsum(tanh(skip)),
+    'cat' lin([x, skip]), 'ignore' tanh(x) (the skip unused), 'take' the skip itself (x
+    dropped; ds == d), 'none' tanh(x), raising FuzzError unless the skip is None."""
+
+    def __init__(self, name: str, how: str, d: int, ds: Optional[int],
+                 dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        self.name, self.how = name, how
+        if how in ("add", "cat"):
+            n = int(ds or 1)
+            self.lin = (nn.Linear(n, d, dtype=dtype) if how == "add"
+                        else nn.Linear(d + n, d, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Any:
+        skip = yield pop(self.name)
+        return _combine(self, self.how, x, skip)
+
+
+class RelayBody(nn.Module):
+    """Pops ``name`` (``ds`` wide, or None) and stashes ``out``: the popped tensor itself
+    ('forward') or tanh(x) ('fresh'); returns x + lin(skip) (x + 1 for a None skip)."""
+
+    def __init__(self, name: str, out: str, how: str, d: int, ds: Optional[int],
+                 dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        self.name, self.out, self.how = name, out, how
+        if ds is not None:
+            self.lin = nn.Linear(ds, d, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Any:
+        skip = yield pop(self.name)
+        yield stash(self.out, skip if self.how == "forward" else torch.tanh(x))
+        return x + 1 if skip is None else x + self.lin(skip)
+
+
+def Stash(name: str, how: str, d: int, ds: Optional[int] = None,
+          dtype: torch.dtype = torch.float64) -> nn.Module:
+    """A skippable layer stashing ``name`` (see :class:`StashBody`)."""
+    return _skippable(StashBody, stashes=(name,))(name, how, d, ds, dtype)
+
+
+def Pop(name: str, how: str, d: int, ds: Optional[int] = None,
+        dtype: torch.dtype = torch.float64) -> nn.Module:
+    """A skippable layer popping ``name`` (see :class:`PopBody`)."""
+    return _skippable(PopBody, pops=(name,))(name, how, d, ds, dtype)
+
+
+def Relay(name: str, out: str, how: str, d: int, ds: Optional[int] = None,
+          dtype: torch.dtype = torch.float64) -> nn.Module:
+    """A skippable layer popping ``name`` and stashing ``out`` (see :class:`RelayBody`)."""
+    return _skippable(RelayBody, stashes=(out,), pops=(name,))(name, out, how, d, ds, dtype)

@@ -31,12 +31,16 @@ the same layers run cell by cell (stage x micro-batch) with gpipe's rules:
   checkpointed cell did not keeps its graph (csrc/stage.cpp, "verify only").
   Not modelled: a cell keeping its graph because another stage drew
   concurrently, which needs dropout and an in-place spoiling stage together.
+* Skips (``gpipe.skip``): each micro-batch runs its cells with a skip tracker
+  of its own, so a skip goes from its stash to its pop within the micro-batch
+  (across stages as the Pipe routes it); nothing is left over after an error.
 """
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from gpipe.skip.tracker import SkipTracker, use_skip_tracker
 from layers import MaskDropout
 
 #: The plain model's in-place refusals that gpipe's hand-over at stage boundaries avoids.
@@ -198,6 +202,7 @@ class BoundaryCloned(nn.Sequential):
         results: List[Any] = [None] * m
         for i, piece in enumerate(pieces):
             h: Any = piece if isinstance(x, tuple) else piece[0]
+            skips = SkipTracker()  # the micro-batch's skips, from stash to pop
             for j, stage in enumerate(self.stages):
                 for k in stage:
                     if k in replays:
@@ -212,7 +217,8 @@ class BoundaryCloned(nn.Sequential):
                     if state[j] is None or drew:
                         state[j] = drew
                 try:
-                    h = self._cell(j, h, checkpointed, fresh=m > 1 and j == 0)
+                    with use_skip_tracker(skips):
+                        h = self._cell(j, h, checkpointed, fresh=m > 1 and j == 0)
                 except Exception as e:  # noqa: BLE001 - the Pipe's cell raises it
                     self.errors.append((i, j, e))
                     break
