@@ -228,3 +228,67 @@ def test_float32_is_compared_relative_to_scale_and_float64_absolutely():
                  TOL["float32"], "ref") is not None
     assert _diff(torch.tensor([1000.0], dtype=f64), torch.tensor([1000.0 + 1e-9], dtype=f64),
                  TOL["float64"], "ref") is not None
+
+
+def test_fixed_seeds_draw_skips_within_and_across_stages():
+    """The fixed range draws skip connections (gpipe.skip) within a stage and across 1 and
+    more stages, relays, namespaces, None skips, and under train_step with virtual stages."""
+    fuzz = load_fuzz()
+    from configs import skip_spans  # noqa: E402
+
+    drawn, spans = {}, set()
+    for seed in SEEDS:
+        cfg = fuzz.generate(seed)
+        for v in cfg.features:
+            drawn[v] = drawn.get(v, 0) + 1
+        if "skips" in cfg.features:
+            spans |= set(skip_spans(cfg).values())
+            if cfg.virtual_stages > 1:
+                drawn["skips+virtual"] = drawn.get("skips+virtual", 0) + 1
+    for v in ("skips", "skip-crossing", "skip-namespace", "skip-none", "relay"):
+        assert drawn.get(v, 0) >= 3, (v, drawn)
+    assert drawn.get("skips+virtual", 0) >= 1, drawn
+    assert {0, 1, 2} <= spans, spans
+
+
+def test_skip_configurations_shrink_to_valid_models():
+    """Shrinking drops a skip's stash, relays and pop together, never one alone: every
+    smaller configuration still passes gpipe's verify_skippables, and its snippet builds."""
+    fuzz = load_fuzz()
+    from configs import _smaller  # noqa: E402
+    from gpipe.skip import verify_skippables
+
+    checked = 0
+    for seed in SEEDS:
+        cfg = fuzz.generate(seed)
+        if "relay" not in cfg.features and "skip-namespace" not in cfg.features:
+            continue
+        for smaller in [cfg] + list(_smaller(cfg)):
+            body = smaller.body().split("model = nn.Sequential")[0]
+            namespace = {n: getattr(sys.modules["layers"], n)
+                         for n in sys.modules["layers"].__all__}
+            namespace.update(torch=torch, nn=nn)
+            exec(body, namespace)
+            verify_skippables(nn.Sequential(*namespace["layers"]))
+            checked += 1
+    assert checked > 20
+
+
+def test_a_pipe_delivering_a_wrong_skip_is_caught(monkeypatch):
+    """The fuzzer sees skips: a Pipe whose stages receive their crossing skips doubled
+    mismatches on the seeds with a crossing skip that matters, and on no other seed."""
+    fuzz = load_fuzz()
+    from gpipe.skip import tracker
+
+    seeds = [s for s in SEEDS if "skip-crossing" in fuzz.generate(s).features][:12]
+    right = tracker.StageRunner.__call__
+
+    def doubled(self, input, skips=()):
+        return right(self, input, tuple(None if t is None else t * 2 for t in skips))
+
+    monkeypatch.setattr(tracker.StageRunner, "__call__", doubled)
+    lines = []
+    summary = fuzz.run(seeds, do_shrink=False, write=lines.append)
+    assert summary.mismatches >= len(seeds) // 2, lines
+    others = [s for s in SEEDS if "skip-crossing" not in fuzz.generate(s).features][:20]
+    assert fuzz.run(others, do_shrink=False, write=lines.append).mismatches == 0, lines
