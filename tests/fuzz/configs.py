@@ -457,7 +457,8 @@ def _skips(seed: int, body: List[LayerSpec],
         events[a].append(LayerSpec("stash", f"Stash({name!r}, {how!r}, {d}, {ds}, dtype=dtype)"
                                    + (f".isolate({ns})" if ns else ""), sigs[a], sigs[a],
                                    frozen=frozen(how), stashes=(pair,)))
-        b = rng.choice([i for i in slots if i >= a])
+        later = [i for i in slots if i >= a]
+        b = max(rng.choice(later), rng.choice(later))  # leaning late: more stages to cross
         while rng.random() < 0.2:  # a relay: pops this skip at b, stashes the next one
             d = sigs[b][1]
             how = rng.choice(["forward", "fresh"])
@@ -487,6 +488,17 @@ def _skips(seed: int, body: List[LayerSpec],
             moved[i] = len(layers)
             layers.append(body[i])
     return [replace(s, ref=None if s.ref is None else moved[s.ref]) for s in layers], namespaces
+
+
+def _skip_balance(seed: int, balance: List[int]) -> List[int]:
+    """A skip configuration's balance: half the time as drawn, else over as many stages as
+    the fuzzer runs (4, or one per layer), so that skips cross more than one boundary."""
+    rng = random.Random(f"skip balance {seed}")
+    n = sum(balance)
+    if rng.random() < 0.5 or n < 2:
+        return balance
+    cuts = sorted(rng.sample(range(1, n), min(4, n) - 1))
+    return [b - a for a, b in zip([0] + cuts, cuts + [n])]
 
 
 def generate(seed: int) -> Config:
@@ -523,6 +535,8 @@ def generate(seed: int) -> Config:
     k = rng.randint(1, min(4, n))
     cuts = sorted(rng.sample(range(1, n), k - 1))
     balance = [b - a for a, b in zip([0] + cuts, cuts + [n])]
+    if namespaces or any(s.stashes for s in layers):
+        balance = _skip_balance(seed, balance)
     float_grad = any(s.requires_grad for s in inputs)
     backward = rng.choices(BACKWARDS, weights=[45, 15, 15, 12, 13])[0]
     if backward in ("grad_inputs", "backward_inputs") and not float_grad:
