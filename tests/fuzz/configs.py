@@ -14,11 +14,16 @@ cut, an output not joined: :func:`_batch_dims`). About a third of the
 configurations run the whole training step inside the pipeline instead
 (``pipe.train_step(x, target, loss_fn)`` under one of the four schedules,
 ``'interleaved_1f1b'`` also with 2 or 3 virtual stages per device:
-:func:`_train_step`). :meth:`Config.body` is the Python that builds it and
+:func:`_train_step`). About a quarter carry skip connections (``gpipe.skip``
+stash/pop pairs at random places, relays, None skips, namespaces:
+:func:`_skips`); half of those run over as many stages as the fuzzer uses
+(:func:`_skip_balance`), so skips cross 1 to K-1 stage boundaries. :meth:`Config.body` is the Python that builds it and
 calls :func:`compare.check`; :func:`shrink` simplifies a failing one while the
-same kind of mismatch remains (keeping its schedule).
+same kind of mismatch remains (keeping its schedule; a skip's stash, relays and
+pop go together, so every smaller model stays valid).
 
-Each option added since the first version (the batch dim variants, train_step)
+Each option added since the first version (the batch dim variants, train_step,
+skips)
 is drawn from its own generator, seeded by the seed and the option's name, so
 the configurations of existing seeds stay as they were: a seed that draws no
 variant and no train_step runs exactly the model and configuration it ran
