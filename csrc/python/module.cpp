@@ -121,6 +121,18 @@ class PyEngine {
     engine_->set_error_hook(reraise_python);
   }
 
+  ~PyEngine() {
+    // Dropping the engine joins its workers. A worker may still hold
+    // autograd nodes of a backward that failed (queued on its thread), and
+    // frees them as it exits, which releases Python tensors: it needs the
+    // GIL, so the join must not hold it. (Python objects the engine holds,
+    // the stages' layers, take the GIL themselves as they go.)
+    py::gil_scoped_release no_gil;
+    engine_.reset();
+  }
+  PyEngine(const PyEngine&) = delete;
+  PyEngine& operator=(const PyEngine&) = delete;
+
   py::object forward(py::handle input, bool training) {
     detail::Batch batch = to_batch(input, "input");
     detail::Batch out;

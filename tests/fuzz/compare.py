@@ -66,14 +66,6 @@ CATEGORIES = ("exception", "output", "requires_grad", "grad", "side-effect", "ha
 
 Tensors = Union[Tensor, Tuple[Tensor, ...]]
 
-#: Pipes whose backward (or train_step) raised, kept alive to the end of the process: freeing
-#: one can deadlock (a worker thread leaves autograd nodes of the failed backward queued, and
-#: frees them at its exit, which needs the GIL that the Pipe's destructor holds while joining
-#: it; seed 939, tests/python/test_skip.py::test_freeing_a_pipe_after_a_backward_error). The
-#: process would hang before any timeout could report it, stopping the run.
-KEPT: List[nn.Module] = []
-
-
 @dataclass
 class Mismatch:
     category: str  # one of CATEGORIES
@@ -408,8 +400,6 @@ def check(pipe: nn.Module, ref: nn.Sequential, inputs: Tensors, *, training: boo
 
     want.backward(weights, backward, names, initial)
     p.backward(weights, backward, names, initial)
-    if p.error is not None:
-        KEPT.append(pipe)  # see KEPT
     if want is plain and needs_cloned(p.error, plain.error):
         # The plain model's forward matched; its backward refused what the Pipe's recompute
         # regenerates: forward and backward the boundary-cloned model for the grads.
@@ -434,8 +424,6 @@ def _check_step(findings: Findings, sides: Tuple[_Side, _Side, _Side], target: T
     :func:`step_loss` and ``loss.backward()``; adds the differences to ``findings``."""
     p, plain, cloned = sides
     p.train_step(target, initial)
-    if p.error is not None:
-        KEPT.append(p.model)  # see KEPT
     # The Pipe first, so that the references can replay its dropout masks.
     rows = _as_tuple(target)[0].shape[0]
     masks = _replay_dropout(p.model, (plain.model, cloned.model), use_logs=True,

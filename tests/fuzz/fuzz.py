@@ -23,8 +23,8 @@ The documented run (0:2000, about 30 s on one CPU core) ends::
     fuzz: skips: 438 configurations (306 crossing stages)
     fuzz: 2000 configurations, 0 mismatches (72 compared against the boundary-cloned model)
 
-Pipes whose backward raised are kept alive to the end of the process: freeing
-one can deadlock (``compare.KEPT``; an xfail test in tests/python/test_skip.py).
+Seed 939 found that freeing a Pipe after its backward raised could hang the
+process (fixed; tests/python/test_skip.py::test_freeing_a_pipe_after_a_backward_error).
 
 Usage (from the repository root, gpipe installed)::
 

@@ -964,21 +964,39 @@ _FREE_AFTER_BACKWARD_ERROR = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="gpipe bug: freeing a Pipe after a backward error "
-                   "deadlocks (the engine's destructor joins its workers holding the GIL; a "
-                   "worker frees the failed backward's queued autograd nodes at exit, which "
-                   "needs the GIL)")
-def test_freeing_a_pipe_after_a_backward_error():
-    """Fuzzer seed 939 (tests/fuzz): the skip's branch (StashLinear's Linear) is still queued
-    in the stage worker's autograd ready queue when RaiseInBackward raises; `del pipe` then
-    hangs for good: PyEngine's destructor (csrc/python/module.cpp) joins the Executor's worker
-    threads with the GIL held, and the worker's thread-exit cleanup of its autograd ready queue
-    decrefs a Python tensor, which waits for the GIL. Not skip-specific: a single layer
-    ``lin2(lin1(x)) + RaiseInBackward(sin(x))`` with x requiring grad hangs the same way.
-    Expected: prints 'survived'. Got: no exit (killed by the timeout). In a subprocess: the
-    hang holds the GIL, so it would freeze pytest itself."""
+# The same without skips: one layer whose two branches meet, one raising in backward.
+_FREE_AFTER_BACKWARD_ERROR_PLAIN = _FREE_AFTER_BACKWARD_ERROR[
+    :_FREE_AFTER_BACKWARD_ERROR.index("@skippable")] + textwrap.dedent("""
+    class Branches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin1 = nn.Linear(2, 2)
+            self.lin2 = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.lin2(self.lin1(x)) + RaiseInBackward()(torch.sin(x))
+
+    pipe = gpipe.Pipe(nn.Sequential(Branches()), balance=[1])
     try:
-        proc = subprocess.run([sys.executable, "-c", _FREE_AFTER_BACKWARD_ERROR],
+        pipe(torch.randn(4, 2, requires_grad=True)).sum().backward()
+    except ValueError:
+        pass
+    del pipe
+    print("survived")
+""")
+
+
+@pytest.mark.parametrize("program", [_FREE_AFTER_BACKWARD_ERROR, _FREE_AFTER_BACKWARD_ERROR_PLAIN],
+                         ids=["skip", "plain"])
+def test_freeing_a_pipe_after_a_backward_error(program):
+    """Fuzzer seed 939 (tests/fuzz) found it: a branch (the skip's Linear) is still queued in
+    the stage worker's autograd ready queue when RaiseInBackward raises; the worker frees it
+    as it exits, which decrefs a Python tensor and needs the GIL. `del pipe` used to hang for
+    good: PyEngine's destructor (csrc/python/module.cpp) joined the workers holding the GIL;
+    now it releases it. Not skip-specific (the "plain" program). In a subprocess: a hang would
+    hold the GIL and freeze pytest itself."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", program],
                               capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired:
         pytest.fail("freeing the Pipe after a backward error hung (30 s)")
