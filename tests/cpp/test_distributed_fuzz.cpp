@@ -11,7 +11,8 @@
 // the configuration; rerun just it with GPIPE_DIST_FUZZ_SEEDS=seed:seed+1.
 //
 // GPIPE_DIST_FUZZ_SEEDS=a:b runs seeds a, a+1, ..., b-1 instead of the
-// default range (for long manual runs).
+// default range (for long manual runs); GPIPE_DIST_FUZZ_VERBOSE=1 prints
+// each configuration before it runs.
 #include <gpipe/distributed_pipe.h>
 
 #include "fake_group.h"
@@ -32,7 +33,7 @@ using namespace std::chrono_literals;
 using Tensors = std::vector<torch::Tensor>;
 
 constexpr int64_t kWidth = 4;          // every tensor's last dim
-constexpr uint64_t kDefaultSeeds = 40;  // seeds 0 .. kDefaultSeeds-1 by default
+constexpr uint64_t kDefaultSeeds = 100; // seeds 0 .. kDefaultSeeds-1 by default
 
 torch::nn::Linear linear64() {
   torch::nn::Linear l(kWidth, kWidth);
@@ -41,7 +42,7 @@ torch::nn::Linear linear64() {
 }
 
 // ---- the zoo ------------------------------------------------------------------
-// Layers on one tensor, layers on tuples (a vector of 1-3 tensors of one
+// Layers on one tensor, layers on tuples (a vector of 1-8 tensors of one
 // shape), and the two between them; Stash/Pop (one tensor) and TStash/TPop
 // (tuples) carry skips.
 
@@ -150,6 +151,21 @@ class SplitImpl : public torch::nn::Cloneable<SplitImpl> {
 };
 TORCH_MODULE(Split);
 
+/// K -> 2K: appends tanh(L in_k) * in_{k+1 mod K} for each k (wide tuples:
+/// long hand-off headers).
+class WidenImpl : public torch::nn::Cloneable<WidenImpl> {
+ public:
+  WidenImpl() { reset(); }
+  void reset() override { linear = register_module("linear", linear64()); }
+  Tensors forward(Tensors in) {
+    const auto n = in.size();
+    for (size_t k = 0; k < n; ++k) in.push_back(torch::tanh(linear(in[k])) * in[(k + 1) % n]);
+    return in;
+  }
+  torch::nn::Linear linear{nullptr};
+};
+TORCH_MODULE(Widen);
+
 /// K -> K-1: the last two become L in_{K-2} + tanh(in_{K-1}).
 class MergeImpl : public torch::nn::Cloneable<MergeImpl> {
  public:
@@ -206,7 +222,7 @@ TORCH_MODULE(TPop);
 
 // ---- a configuration ----------------------------------------------------------
 
-enum class Kind { Linear, Tanh, Stash, Pop, Fork, Join, Mix, TTanh, Split, Merge, TStash, TPop };
+enum class Kind { Linear, Tanh, Stash, Pop, Fork, Join, Mix, TTanh, Split, Widen, Merge, TStash, TPop };
 
 const char* name_of(Kind k) {
   switch (k) {
@@ -219,6 +235,7 @@ const char* name_of(Kind k) {
     case Kind::Mix: return "Mix";
     case Kind::TTanh: return "TTanh";
     case Kind::Split: return "Split";
+    case Kind::Widen: return "Widen";
     case Kind::Merge: return "Merge";
     case Kind::TStash: return "TStash";
     case Kind::TPop: return "TPop";
@@ -248,6 +265,7 @@ struct Config {
   int64_t chunks;
   int64_t in_arity;   // 0: train_step with one tensor; K: train_step_tuple with K inputs
   int64_t out_arity;  // the same for outputs and targets
+  int64_t widest = 0;  // the most values any layer returns
   std::vector<LayerSpec> layers;
   std::vector<int64_t> balance;
   std::vector<StepShape> steps;
@@ -263,7 +281,7 @@ std::string describe(const Config& c) {
     << (c.in_arity == 0 ? std::string("one tensor") : "tuple of " + std::to_string(c.in_arity))
     << ", outputs "
     << (c.out_arity == 0 ? std::string("one tensor") : "tuple of " + std::to_string(c.out_arity))
-    << "\n  balance {";
+    << ", widest tuple " << c.widest << "\n  balance {";
   for (size_t j = 0; j < c.balance.size(); ++j) s << (j ? ", " : "") << c.balance[j];
   s << "}\n  layers:";
   for (size_t i = 0; i < c.layers.size(); ++i) {
@@ -318,6 +336,9 @@ Config draw_config(uint64_t seed) {
   // Tensor in/out (train_step), possibly with a tuple section inside, or
   // tuples in/out (train_step_tuple).
   const bool tuple_io = d.chance(50);
+  // Some models carry wide tuples (up to 8 values: with 3-D values, a
+  // hand-off header longer than the first message's 62 integers).
+  const int64_t widest = d.chance(30) ? 8 : 3;
   c.in_arity = tuple_io ? d.in(1, 3) : 0;
 
   // Skips first: pairs of positions (stash < pop), never the last layer
@@ -355,7 +376,8 @@ Config draw_config(uint64_t seed) {
       l.kind = d.pick(kinds);
     } else {
       std::vector<Kind> kinds{Kind::Mix, Kind::TTanh, Kind::Mix};
-      if (arity < 3) kinds.push_back(Kind::Split);
+      if (arity < widest) kinds.push_back(Kind::Split);
+      if (2 * arity <= widest) kinds.push_back(Kind::Widen);
       if (arity > 1) kinds.push_back(Kind::Merge);
       if (!last || !tuple_io) kinds.push_back(Kind::Join);
       l.kind = d.pick(kinds);
@@ -364,9 +386,11 @@ Config draw_config(uint64_t seed) {
       case Kind::Fork: arity = 2; break;
       case Kind::Join: arity = 0; break;
       case Kind::Split: arity += 1; break;
+      case Kind::Widen: arity *= 2; break;
       case Kind::Merge: arity -= 1; break;
       default: break;
     }
+    c.widest = std::max(c.widest, arity);
     c.layers.push_back(l);
   }
   c.out_arity = arity;
@@ -403,6 +427,7 @@ torch::nn::Sequential build_model(const Config& c) {
       case Kind::Mix: m->push_back(Mix(l.arity)); break;
       case Kind::TTanh: m->push_back(TTanh()); break;
       case Kind::Split: m->push_back(Split()); break;
+      case Kind::Widen: m->push_back(Widen()); break;
       case Kind::Merge: m->push_back(Merge()); break;
       case Kind::TStash: m->push_back(TStash(l.skip, l.which)); break;
       case Kind::TPop: m->push_back(TPop(l.skip)); break;
@@ -639,9 +664,13 @@ TEST_CASE("distributed_pipe fuzz: random pipelines, shapes and schedules equal P
           "plain Sequential after every step",
           "[distributed][fuzz]") {
   const auto [first, end] = seed_range();
+  const char* verbose = std::getenv("GPIPE_DIST_FUZZ_VERBOSE");
   int failed = 0;
   for (uint64_t seed = first; seed < end; ++seed) {
     const auto config = draw_config(seed);
+    if (verbose != nullptr && *verbose != '\0' && *verbose != '0') {
+      std::cout << describe(config) << std::endl;
+    }
     std::string problems;
     try {
       problems = run_config(config);
