@@ -3,7 +3,7 @@
 // Each seed draws one configuration: ranks, hand-off matching (by tag, or
 // by order with a reverse group), schedule, checkpoint mode, chunks, a
 // random model from the zoo below cut by a random balance, and 1-3 steps
-// whose batch rows and sequence length may change between steps (and
+// whose batch rows, sequence length or number of dims may change between steps (and
 // change back, the ordered transport's predicted-shape path). After every
 // step, every rank's grads (accumulated, never zeroed) and the last rank's
 // loss equal Pipe's train_step and the plain Sequential's backward; the
@@ -402,20 +402,21 @@ Config draw_config(uint64_t seed) {
     c.layers[0].kind = c.layers[0].arity == 0 ? Kind::Linear : Kind::Mix;
   }
 
-  // Steps: one shape throughout, A B A (changing back), or each its own.
+  // Steps: one shape throughout, A B A (changing back), each its own, or
+  // A B A where B has another number of dims (2-D vs 3-D values).
   const int64_t steps = d.in(1, 3);
   const bool three_d = d.chance(60);
-  auto shape = [&] {
-    return StepShape{d.in(c.chunks, c.chunks + 5), three_d ? d.in(1, 4) : 0};
+  auto shape = [&](bool with_seq) {
+    return StepShape{d.in(c.chunks, c.chunks + 5), with_seq ? d.in(1, 4) : 0};
   };
-  const StepShape a = shape();
-  const int64_t pattern = d.in(0, 2);
-  StepShape b = shape();
+  const StepShape a = shape(three_d);
+  const int64_t pattern = d.in(0, 3);
+  StepShape b = shape(pattern == 3 ? !three_d : three_d);
   if (pattern == 1 && b.rows == a.rows && b.seq == a.seq) b.rows = a.rows + 1;
   for (int64_t s = 0; s < steps; ++s) {
     if (pattern == 0) c.steps.push_back(a);
-    else if (pattern == 1) c.steps.push_back(s % 2 == 0 ? a : b);
-    else c.steps.push_back(s == 0 ? a : shape());
+    else if (pattern == 2) c.steps.push_back(s == 0 ? a : shape(three_d));
+    else c.steps.push_back(s % 2 == 0 ? a : b);
   }
   return c;
 }
