@@ -222,7 +222,9 @@ TORCH_MODULE(TPop);
 
 // ---- a configuration ----------------------------------------------------------
 
-enum class Kind { Linear, Tanh, Stash, Pop, Fork, Join, Mix, TTanh, Split, Widen, Merge, TStash, TPop };
+enum class Kind {
+  Linear, Tanh, Stash, Pop, Fork, Join, Mix, TTanh, Split, Widen, Merge, TStash, TPop
+};
 
 const char* name_of(Kind k) {
   switch (k) {
@@ -288,7 +290,9 @@ std::string describe(const Config& c) {
     const auto& l = c.layers[i];
     s << " " << i << ":" << name_of(l.kind);
     if (l.kind == Kind::Mix) s << "(" << l.arity << ")";
-    if (!l.skip.empty()) s << "[" << l.skip << (l.kind == Kind::TStash ? "#" + std::to_string(l.which) : "") << "]";
+    if (!l.skip.empty()) {
+      s << "[" << l.skip << (l.kind == Kind::TStash ? "#" + std::to_string(l.which) : "") << "]";
+    }
   }
   s << "\n  steps (rows x seq x width):";
   for (const auto& st : c.steps) {
@@ -364,7 +368,8 @@ Config draw_config(uint64_t seed) {
     if (auto it = skips.find(i); it != skips.end()) {
       const bool is_stash = it->second.first;
       l.skip = it->second.second;
-      l.kind = arity == 0 ? (is_stash ? Kind::Stash : Kind::Pop) : (is_stash ? Kind::TStash : Kind::TPop);
+      l.kind = arity == 0 ? (is_stash ? Kind::Stash : Kind::Pop)
+                          : (is_stash ? Kind::TStash : Kind::TPop);
       if (l.kind == Kind::TStash) l.which = d.in(0, 2);
     } else if (last && !tuple_io && arity > 0) {
       l.kind = Kind::Join;
@@ -531,7 +536,9 @@ std::string run_config(const Config& c) {
   const auto model = build_model(c);
   std::vector<StepData> data;
   torch::manual_seed(c.seed + 1000003);
-  for (const auto& s : c.steps) data.push_back({draw_tensors(c.in_arity, s), draw_tensors(c.out_arity, s)});
+  for (const auto& s : c.steps) {
+    data.push_back({draw_tensors(c.in_arity, s), draw_tensors(c.out_arity, s)});
+  }
 
   // The plain Sequential and Pipe, step by step (grads accumulate).
   auto plain = copy_of(model);
@@ -649,7 +656,8 @@ std::string run_config(const Config& c) {
         problem(after + "parameter " + name + " is on " + std::to_string(holders[name]) +
                 " ranks, want 1");
       }
-      close(pipe_grads[s].at(name), grad, after + "Pipe's grad of " + name + " vs the plain Sequential's");
+      close(pipe_grads[s].at(name), grad,
+            after + "Pipe's grad of " + name + " vs the plain Sequential's");
     }
   }
   return problems.str();
