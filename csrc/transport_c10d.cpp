@@ -77,6 +77,23 @@ const char* flow_name(Flow flow) {
   return "?";
 }
 
+// A header message (kind, length, the first kWireBody integers) and, for a
+// longer one, the rest of the integers (undefined when none).
+std::pair<at::Tensor, at::Tensor> wire_parts(const std::vector<int64_t>& ints, int64_t kind) {
+  const auto length = static_cast<int64_t>(ints.size());
+  at::Tensor head = at::zeros({kWireInts}, at::kLong);
+  auto* w = head.data_ptr<int64_t>();
+  w[0] = kind;
+  w[1] = length;
+  std::copy_n(ints.begin(), std::min(length, kWireBody), w + 2);
+  at::Tensor rest;
+  if (length > kWireBody) {
+    rest = at::empty({length - kWireBody}, at::kLong);
+    std::copy(ints.begin() + kWireBody, ints.end(), rest.data_ptr<int64_t>());
+  }
+  return {head, rest};
+}
+
 // A failure between ranks: the message names the ranks; a C++ backtrace of
 // this rank would only hide that.
 template <typename... Args>
@@ -241,6 +258,13 @@ std::string ProcessGroupTransport::describe_address(const Address& a) const {
   return c10::str("stage ", a.stage, "'s ", flow_name(a.flow), " of micro-batch ", a.microbatch);
 }
 
+void ProcessGroupTransport::peer_failed(const std::pair<int64_t, std::string>& failure, int from,
+                                        const std::string& what) const {
+  const auto& [origin, text] = failure;
+  fail_between_ranks("gpipe: rank ", origin, " failed, so rank ", rank_, " stopped waiting for ",
+                     what, " (from rank ", from, "); rank ", origin, "'s error: ", text);
+}
+
 void ProcessGroupTransport::bury(Pending pending) {
   // An aborted Gloo receive may still be matched by a late message, which
   // then writes into its buffer: the buffer (and its work) must outlive
@@ -279,7 +303,8 @@ void ProcessGroupTransport::begin(int64_t microbatches, const Handoffs& handoffs
     const int from = source(a);
     if (from == rank_) continue;
     headers_.emplace(key(a),
-                     post_receive({at::empty({kWireInts}, at::kLong)}, from, tag(a, kHeaderPart)));
+                     post_receive(*group_, {at::empty({kWireInts}, at::kLong)}, from,
+                                  tag(a, kHeaderPart)));
     upcoming_.push_back(a);
   }
   for (size_t k = 0; k < std::min(kEarlyWindow, upcoming_.size()); ++k) post_early(upcoming_[k]);
@@ -289,24 +314,12 @@ void ProcessGroupTransport::post_early(const Address& a) {
   const Key k = key(a);
   auto last = received_meta_.find(k);
   if (last == received_meta_.end() || early_.count(k)) return;
-  std::vector<Pending> posted;
-  for (const auto& v : last->second.values) {
-    if (!v.defined) continue;
-    posted.push_back(post_receive(
-        {at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(device_))}, source(a),
-        tag(a, kExpectedPart)));
-  }
-  early_.emplace(k, std::move(posted));
+  early_.emplace(k, post_values(*group_, last->second, source(a), tag(a, kExpectedPart)));
 }
 
 std::optional<std::vector<at::Tensor>> ProcessGroupTransport::receive_values(
     const BatchMeta& meta, int from, int tag, const std::string& what) {
-  std::vector<Pending> posted;
-  for (const auto& v : meta.values) {
-    if (!v.defined) continue;
-    posted.push_back(post_receive(
-        {at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(device_))}, from, tag));
-  }
+  std::vector<Pending> posted = post_values(*group_, meta, from, tag);
   auto rest = unwaited(posted, [](Pending p) { bury(std::move(p)); });
   std::vector<at::Tensor> out;
   for (auto& p : posted) {
@@ -318,12 +331,25 @@ std::optional<std::vector<at::Tensor>> ProcessGroupTransport::receive_values(
   return out;
 }
 
-ProcessGroupTransport::Pending ProcessGroupTransport::post_receive(std::vector<at::Tensor> tensors,
+ProcessGroupTransport::Pending ProcessGroupTransport::post_receive(c10d::ProcessGroup& group,
+                                                                   std::vector<at::Tensor> tensors,
                                                                    int from, int tag) {
   Pending p;
   p.tensors = std::move(tensors);
-  p.work = group_->recv(p.tensors, from, tag);
+  p.work = group.recv(p.tensors, from, tag);
   return p;
+}
+
+std::vector<ProcessGroupTransport::Pending> ProcessGroupTransport::post_values(
+    c10d::ProcessGroup& group, const BatchMeta& meta, int from, int tag) {
+  std::vector<Pending> posted;
+  for (const auto& v : meta.values) {
+    if (!v.defined) continue;
+    posted.push_back(post_receive(
+        group, {at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(device_))}, from,
+        tag));
+  }
+  return posted;
 }
 
 bool ProcessGroupTransport::wait(Pending& pending, int from, const std::string& what,
@@ -396,21 +422,26 @@ void ProcessGroupTransport::send_tensor(at::Tensor t, int dst, int tag, std::vec
   out.push_back(std::move(p));
 }
 
+void ProcessGroupTransport::send_values(const Batch& batch, int dst, int tag,
+                                        std::vector<Pending>& out) {
+  for (const auto& value : batch.values) {
+    if (value.defined()) send_tensor(value.detach(), dst, tag, out);
+  }
+}
+
+void ProcessGroupTransport::send_filler(const BatchMeta& expected, int dst, int tag,
+                                        std::vector<Pending>& out) {
+  for (const auto& v : expected.values) {
+    if (v.defined) send_tensor(at::empty(v.shape, at::TensorOptions().dtype(v.dtype)), dst, tag, out);
+  }
+}
+
 void ProcessGroupTransport::send_wire(const std::vector<int64_t>& ints, int64_t kind, int to,
                                       int tag) {
-  const auto length = static_cast<int64_t>(ints.size());
-  at::Tensor wire = at::zeros({kWireInts}, at::kLong);
-  auto* w = wire.data_ptr<int64_t>();
-  w[0] = kind;
-  w[1] = length;
-  std::copy_n(ints.begin(), std::min(length, kWireBody), w + 2);
+  auto [head, rest] = wire_parts(ints, kind);
   std::vector<Pending> out;
-  send_tensor(wire, to, tag, out);
-  if (length > kWireBody) {
-    at::Tensor rest = at::empty({length - kWireBody}, at::kLong);
-    std::copy(ints.begin() + kWireBody, ints.end(), rest.data_ptr<int64_t>());
-    send_tensor(rest, to, tag, out);
-  }
+  send_tensor(head, to, tag, out);
+  if (rest.defined()) send_tensor(rest, to, tag, out);
   std::lock_guard<std::mutex> hold(mutex_);
   for (auto& p : out) sent_works_.push_back(std::move(p));
 }
@@ -434,15 +465,11 @@ void ProcessGroupTransport::send(const Address& to, Payload payload) {
   int data_tag = tag(to, kExpectedPart);
   auto last = sent_meta_.find(key(to));
   if (last != sent_meta_.end() && !(last->second == meta)) {
-    for (const auto& v : last->second.values) {
-      if (v.defined) send_tensor(at::empty(v.shape, at::TensorOptions().dtype(v.dtype)), dst, data_tag, out);
-    }
+    send_filler(last->second, dst, data_tag, out);
     data_tag = tag(to, kChangedPart);
   }
   sent_meta_[key(to)] = std::move(meta);
-  for (const auto& value : batch.values) {
-    if (value.defined()) send_tensor(value.detach(), dst, data_tag, out);
-  }
+  send_values(batch, dst, data_tag, out);
   std::lock_guard<std::mutex> hold(mutex_);
   for (auto& p : out) sent_works_.push_back(std::move(p));
   owed_.erase(key(to));
@@ -485,17 +512,15 @@ std::optional<Payload> ProcessGroupTransport::receive(const Address& at) {
   }
   std::vector<int64_t> ints(w + 2, w + 2 + std::min(length, kWireBody));
   if (length > kWireBody) {
-    Pending rest = post_receive({at::empty({length - kWireBody}, at::kLong)}, from, tag(at, 0));
+    Pending rest =
+        post_receive(*group_, {at::empty({length - kWireBody}, at::kLong)}, from, tag(at, 0));
     if (!wait(rest, from, what)) return std::nullopt;
     const auto* r = rest.tensors[0].const_data_ptr<int64_t>();
     ints.insert(ints.end(), r, r + (length - kWireBody));
   }
   if (kind == kFailure) {
-    auto [origin, text] = unpack(ints);
-    peer_failure_ = {origin, text};
-    fail_between_ranks("gpipe: rank ", origin, " failed, so rank ", rank_,
-                " stopped waiting for ", what, " (from rank ", from, "); rank ", origin,
-                "'s error: ", text);
+    peer_failure_ = unpack(ints);
+    peer_failed(*peer_failure_, from, what);
   }
   BatchMeta meta = decode(ints);
   std::optional<std::vector<at::Tensor>> values;
@@ -661,10 +686,7 @@ void ProcessGroupTransport::connect() {
       if (from == rank_) {
         send_tensor(at::zeros({1}, at::kLong), to, 0, out);
       } else {
-        Pending p;
-        p.tensors = {wire_tensor(1)};
-        p.work = lane_group(from, to).recv(p.tensors, from, 0);
-        out.push_back(std::move(p));
+        out.push_back(post_receive(lane_group(from, to), {wire_tensor(1)}, from, 0));
       }
       const int peer = from == rank_ ? to : from;
       TORCH_CHECK(wait(out[0], peer, "the first message between ranks " + std::to_string(from) +
@@ -689,21 +711,11 @@ void ProcessGroupTransport::ordered_begin(const Handoffs& handoffs) {
 
 void ProcessGroupTransport::post_next(int from, Channel& channel) {
   auto& group = lane_group(from, rank_);
-  Pending head;
-  head.tensors = {wire_tensor(kWireInts)};
-  head.work = group.recv(head.tensors, from, 0);
-  channel.header = std::move(head);
+  channel.header = post_receive(group, {wire_tensor(kWireInts)}, from, 0);
   channel.predicted.clear();
   auto last = received_order_meta_.find({from, channel.taken});
   channel.has_prediction = last != received_order_meta_.end();
-  if (!channel.has_prediction) return;
-  for (const auto& v : last->second.values) {
-    if (!v.defined) continue;
-    Pending p;
-    p.tensors = {at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(device_))};
-    p.work = group.recv(p.tensors, from, 0);
-    channel.predicted.push_back(std::move(p));
-  }
+  if (channel.has_prediction) channel.predicted = post_values(group, last->second, from, 0);
 }
 
 void ProcessGroupTransport::ordered_send(const Address& to, int dst, Batch batch) {
@@ -711,17 +723,7 @@ void ProcessGroupTransport::ordered_send(const Address& to, int dst, Batch batch
   std::vector<int64_t> ints{to.stage, static_cast<int64_t>(to.flow), to.microbatch, to.route};
   const auto encoded = encode(meta);
   ints.insert(ints.end(), encoded.begin(), encoded.end());
-  const auto length = static_cast<int64_t>(ints.size());
-  at::Tensor head = at::zeros({kWireInts}, at::kLong);
-  auto* w = head.data_ptr<int64_t>();
-  w[0] = kBatch;
-  w[1] = length;
-  std::copy_n(ints.begin(), std::min(length, kWireBody), w + 2);
-  at::Tensor rest;
-  if (length > kWireBody) {
-    rest = at::empty({length - kWireBody}, at::kLong);
-    std::copy(ints.begin() + kWireBody, ints.end(), rest.data_ptr<int64_t>());
-  }
+  auto [head, rest] = wire_parts(ints, kBatch);
   int64_t k = 0;
   std::optional<BatchMeta> predicted;
   {
@@ -736,23 +738,13 @@ void ProcessGroupTransport::ordered_send(const Address& to, int dst, Batch batch
   std::vector<Pending> out;
   send_tensor(head, dst, 0, out);
   const bool hit = predicted && *predicted == meta;
-  if (predicted) {
-    if (hit) {
-      for (const auto& value : batch.values) {
-        if (value.defined()) send_tensor(value.detach(), dst, 0, out);
-      }
-    } else {
-      for (const auto& v : predicted->values) {
-        if (v.defined) send_tensor(at::empty(v.shape, at::TensorOptions().dtype(v.dtype)), dst, 0, out);
-      }
-    }
+  if (hit) {
+    send_values(batch, dst, 0, out);
+  } else if (predicted) {
+    send_filler(*predicted, dst, 0, out);
   }
   if (rest.defined()) send_tensor(rest, dst, 0, out);
-  if (!hit) {
-    for (const auto& value : batch.values) {
-      if (value.defined()) send_tensor(value.detach(), dst, 0, out);
-    }
-  }
+  if (!hit) send_values(batch, dst, 0, out);
   std::lock_guard<std::mutex> hold(mutex_);
   sent_order_meta_[{dst, k}] = std::move(meta);
   for (auto& p : out) sent_works_.push_back(std::move(p));
@@ -784,12 +776,7 @@ std::optional<Payload> ProcessGroupTransport::ordered_receive(const Address& at,
 
 bool ProcessGroupTransport::read_next(int from, Channel& channel, const std::string& what) {
   auto& group = lane_group(from, rank_);
-  if (channel.failure) {
-    const auto& [origin, text] = *channel.failure;
-    fail_between_ranks("gpipe: rank ", origin, " failed, so rank ", rank_,
-                       " stopped waiting for ", what, " (from rank ", from, "); rank ", origin,
-                       "'s error: ", text);
-  }
+  if (channel.failure) peer_failed(*channel.failure, from, what);
   // Receives on an accelerator wait on the side stream; the payload
   // carries its event to the stage that takes it.
   std::optional<c10::StreamGuard> on_side;
@@ -814,17 +801,12 @@ bool ProcessGroupTransport::read_next(int from, Channel& channel, const std::str
   if (kind == kFailure) {
     channel.failure = unpack(ints);
     peer_failure_ = channel.failure;
-    const auto& [origin, text] = *channel.failure;
-    fail_between_ranks("gpipe: rank ", origin, " failed, so rank ", rank_,
-                       " stopped waiting for ", what, " (from rank ", from, "); rank ", origin,
-                       "'s error: ", text);
+    peer_failed(*channel.failure, from, what);
   }
   const int64_t k = channel.taken;
   if (length > kWireBody) {
     // The rest of the header comes after the predicted tensors.
-    Pending rest;
-    rest.tensors = {wire_tensor(length - kWireBody)};
-    rest.work = group.recv(rest.tensors, from, 0);
+    Pending rest = post_receive(group, {wire_tensor(length - kWireBody)}, from, 0);
     if (!wait(rest, from, what, /*on_host=*/true)) return false;
     at::Tensor r = rest.tensors[0].device().is_cpu() ? rest.tensors[0] : rest.tensors[0].cpu();
     const auto* rp = r.const_data_ptr<int64_t>();
@@ -840,13 +822,7 @@ bool ProcessGroupTransport::read_next(int from, Channel& channel, const std::str
   } else {
     // The predicted receives took filler (or nothing was predicted): the
     // tensors follow.
-    for (const auto& v : meta.values) {
-      if (!v.defined) continue;
-      Pending p;
-      p.tensors = {at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(device_))};
-      p.work = group.recv(p.tensors, from, 0);
-      values.push_back(std::move(p));
-    }
+    values = post_values(group, meta, from, 0);
   }
   auto pending = unwaited(values, [](Pending p) { bury(std::move(p)); });
   {

@@ -144,7 +144,11 @@ class ProcessGroupTransport final : public Transport {
     return {a.stage, static_cast<int>(a.flow), a.microbatch, skip ? a.route : 0};
   }
   int tag(const Address& a, int part) const;
-  Pending post_receive(std::vector<at::Tensor> tensors, int from, int tag);
+  Pending post_receive(c10d::ProcessGroup& group, std::vector<at::Tensor> tensors, int from,
+                       int tag);
+  /// Posts one receive per defined value of `meta`, on `device_`.
+  std::vector<Pending> post_values(c10d::ProcessGroup& group, const BatchMeta& meta, int from,
+                                   int tag);
   /// Posts the tensors' receives of `a` with last step's shapes, once (under mutex_).
   void post_early(const Address& a);
   /// Receives `meta`'s defined values from `from` on `tag`.
@@ -153,6 +157,12 @@ class ProcessGroupTransport final : public Transport {
   /// Waits for `work`; false when cancelled. Errors name `from` and `what`.
   /// `on_host`: the host reads the result (on a GPU: polls until it landed).
   bool wait(Pending& pending, int from, const std::string& what, bool on_host = true);
+  /// Sends `batch`'s defined values; filler of `expected`'s shapes.
+  void send_values(const Batch& batch, int dst, int tag, std::vector<Pending>& out);
+  void send_filler(const BatchMeta& expected, int dst, int tag, std::vector<Pending>& out);
+  /// Throws the error of a peer's announced failure (origin rank, message).
+  [[noreturn]] void peer_failed(const std::pair<int64_t, std::string>& failure, int from,
+                                const std::string& what) const;
   void send_wire(const std::vector<int64_t>& ints, int64_t kind, int to, int tag);
   std::string describe_address(const Address& a) const;
   /// Keeps `pending` alive for the life of the process (see fail()).
