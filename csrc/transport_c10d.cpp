@@ -346,8 +346,8 @@ std::vector<ProcessGroupTransport::Pending> ProcessGroupTransport::post_values(
   for (const auto& v : meta.values) {
     if (!v.defined) continue;
     posted.push_back(post_receive(
-        group, {at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(device_))}, from,
-        tag));
+        group, {at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(wire_device()))},
+        from, tag));
   }
   return posted;
 }
@@ -404,8 +404,20 @@ bool ProcessGroupTransport::wait(Pending& pending, int from, const std::string& 
   return true;
 }
 
+c10::Device ProcessGroupTransport::wire_device() const {
+  // NCCL moves device memory only. Gloo's point-to-point reads and writes
+  // host memory only (it takes the data pointer as it is: a CUDA tensor's
+  // would be written by the CPU), so over Gloo a stage on a GPU sends and
+  // receives through the host.
+  return gloo_ ? c10::Device(c10::kCPU) : device_;
+}
+
+at::Tensor ProcessGroupTransport::landed(at::Tensor t) const {
+  // A plain (blocking) copy: the host's buffer is free once it returns.
+  return t.device() == device_ ? t : t.to(device_);
+}
+
 at::Tensor ProcessGroupTransport::wire_tensor(int64_t ints) const {
-  // NCCL moves device memory only; Gloo (and tests' groups) host memory.
   return at::empty({ints}, at::TensorOptions().dtype(at::kLong).device(gloo_ ? c10::kCPU : device_));
 }
 
@@ -432,7 +444,10 @@ void ProcessGroupTransport::send_values(const Batch& batch, int dst, int tag,
 void ProcessGroupTransport::send_filler(const BatchMeta& expected, int dst, int tag,
                                         std::vector<Pending>& out) {
   for (const auto& v : expected.values) {
-    if (v.defined) send_tensor(at::empty(v.shape, at::TensorOptions().dtype(v.dtype)), dst, tag, out);
+    if (v.defined) {
+      send_tensor(at::empty(v.shape, at::TensorOptions().dtype(v.dtype).device(wire_device())),
+                  dst, tag, out);
+    }
   }
 }
 
@@ -547,7 +562,7 @@ std::optional<Payload> ProcessGroupTransport::receive(const Address& at) {
   batch.atomic = meta.atomic;
   size_t next = 0;
   for (const auto& v : meta.values) {
-    batch.values.push_back(v.defined ? (*values)[next++] : at::Tensor());
+    batch.values.push_back(v.defined ? landed((*values)[next++]) : at::Tensor());
   }
   for (size_t k = 0; k < meta.values.size(); ++k) {
     if (meta.values[k].defined && meta.values[k].requires_grad) batch.values[k].requires_grad_(true);
@@ -849,6 +864,7 @@ bool ProcessGroupTransport::read_next(int from, Channel& channel, const std::str
     at::Tensor t = p.tensors[0];
     if (!wait(p, from, what, /*on_host=*/false)) return false;
     p.work.reset();
+    t = landed(std::move(t));
     if (v.requires_grad) t.requires_grad_(true);
     batch.values.push_back(std::move(t));
   }

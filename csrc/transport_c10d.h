@@ -146,7 +146,7 @@ class ProcessGroupTransport final : public Transport {
   int tag(const Address& a, int part) const;
   Pending post_receive(c10d::ProcessGroup& group, std::vector<at::Tensor> tensors, int from,
                        int tag);
-  /// Posts one receive per defined value of `meta`, on `device_`.
+  /// Posts one receive per defined value of `meta`, on wire_device().
   std::vector<Pending> post_values(c10d::ProcessGroup& group, const BatchMeta& meta, int from,
                                    int tag);
   /// Posts the tensors' receives of `a` with last step's shapes, once (under mutex_).
@@ -196,6 +196,10 @@ class ProcessGroupTransport final : public Transport {
   /// Sends `t` (moved to where the backend reads it) to `dst`; kept in sent_works_.
   void send_tensor(at::Tensor t, int dst, int tag, std::vector<Pending>& out);
   at::Tensor wire_tensor(int64_t ints) const;
+  /// Where the backend moves values: device_, or the host over Gloo.
+  c10::Device wire_device() const;
+  /// A received value on device_ (copied there from the host over Gloo).
+  at::Tensor landed(at::Tensor t) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   c10::intrusive_ptr<c10d::ProcessGroup> reverse_;

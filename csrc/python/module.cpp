@@ -40,6 +40,13 @@ void reraise_python(const gpipe::CellError& error) {
   const std::string where = "gpipe: raised in stage " + std::to_string(error.stage()) +
                             ", micro-batch " + std::to_string(error.microbatch()) + ", " +
                             error.phase();
+  // The exception object travels in the C++ exception; the thread's Python
+  // error indicator may still hold it too: torch's Python engine sets it
+  // (python_error::restore) before rethrowing from a nested backward. Here
+  // that is the case when the failed cell ran inline on an autograd device
+  // thread (its thread state lives on), and a pending error would make the
+  // add_note call below fail and raise the error without its note.
+  PyErr_Clear();
   auto add_note = [&](py::handle value) {
     if (value && py::hasattr(value, "add_note")) value.attr("add_note")(where);
   };

@@ -64,7 +64,9 @@ def env() -> Dict[str, object]:
     for name, args in [("nvidia_smi", ["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                                        "--format=csv,noheader"]),
                        ("cmake", ["cmake", "--version"]), ("ninja", ["ninja", "--version"]),
-                       ("nvcc", ["nvcc", "--version"]), ("cxx", ["c++", "--version"])]:
+                       ("nvcc", ["nvcc", "--version"]),
+                       # The compiler the kit chose (compiler.sh exports CXX).
+                       ("cxx", [os.environ.get("CXX") or "c++", "--version"])]:
         out = command_output(args)
         if out is not None:
             lines = out.splitlines()

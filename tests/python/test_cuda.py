@@ -40,7 +40,9 @@ def check_step(pipe: gpipe.Pipe, ref: nn.Sequential, x: Tensor, ref_device: torc
     and the input grad where the input is."""
     x_pipe = x.detach().clone().requires_grad_()
     x_ref = x.detach().to(ref_device).requires_grad_()
-    weight = torch.randn(x.shape[0], 3, dtype=torch.float64,
+    want = ref(x_ref)
+    # A weight of the output's shape, so every output element's grad differs.
+    weight = torch.randn(want.shape, dtype=torch.float64,
                          generator=torch.Generator().manual_seed(1))
 
     def step() -> Tensor:
@@ -49,7 +51,6 @@ def check_step(pipe: gpipe.Pipe, ref: nn.Sequential, x: Tensor, ref_device: torc
         return out
 
     out = result(step)
-    want = ref(x_ref)
     (want * weight.to(ref_device)).sum().backward()
 
     assert out.device == out_device
