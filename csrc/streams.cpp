@@ -147,7 +147,13 @@ Batch receive(Payload payload, const Lane& lane, Span* copy) {
     for (auto& t : batch.values) {
       if (!t.defined() || t.device() == lane.device) continue;
       if (t.device().is_cpu()) {
-        t = moved(t, lane.device, /*non_blocking=*/true);  // host -> device, on lane.copy
+        // Host -> device, on lane.copy. From pageable memory the copy has
+        // read the source when it returns (CUDA stages it), as the plain
+        // model's x.to(device) has; from pinned memory a non-blocking copy
+        // would still be reading after the call returns, so a caller
+        // refilling its pinned buffer after forward() would race with it:
+        // that copy blocks, as x.to(device) does.
+        t = moved(t, lane.device, /*non_blocking=*/!t.is_pinned());
         continue;
       }
       // Device -> device: ATen runs it on the source device's current

@@ -175,6 +175,12 @@ Batch Engine::eval_step(const Batch& input) {
   std::vector<Batch> outputs;
   step(input, Batch(), nullptr, /*training=*/false, &outputs);
   if (!holds(all_stages_ - 1)) return Batch();
+  // step() ordered the caller's current streams after every lane; the
+  // outputs, made on the last stage's compute stream, are recorded on the
+  // caller's current stream too, so the caching allocator keeps their
+  // blocks until the caller's work on them (queued after this returns) is
+  // done, wherever the caller frees them.
+  for (const auto& part : outputs) record_on_current_streams(part.values);
   return gather(outputs, output_dims_);
 }
 
@@ -372,7 +378,9 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
         return;
       }
       if (!loss_fn) {
-        (*outputs)[static_cast<size_t>(i)] = settle(Payload{std::move(y), mark(lane.compute)});
+        // Kept as made on the compute stream (this thread's current one);
+        // eval_step hands them over on the caller's streams (streams.h).
+        (*outputs)[static_cast<size_t>(i)] = std::move(y);
         return;
       }
       phase = "loss";

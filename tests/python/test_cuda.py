@@ -317,6 +317,29 @@ def test_optimizer_steps_between_steps_match_the_plain_model(checkpoint):
         assert max_diff(p, q) <= TOL, f"parameter {name} after 20 steps"
 
 
+def test_a_pinned_input_refilled_right_after_forward_was_read_first():
+    """A pinned CPU batch into GPU stages: as with ``x.to('cuda')``, forward has read it
+    when it returns, so the caller may refill its pinned buffer at once. The copy is
+    queued behind a ballast on the current stream (the stages wait for it), so a copy
+    left running after forward returned would read the refill."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)).double()
+    ref = copy.deepcopy(model).to(GPU)
+    pipe = gpipe.Pipe(model, balance=[2, 1], devices=[GPU] * 2, chunks=4)
+    buffer = torch.randn(32, 64, dtype=torch.float64).pin_memory()
+    want = ref(buffer.to(GPU))
+
+    def step() -> Tensor:
+        ballast()
+        with torch.no_grad():
+            out = pipe(buffer)
+        buffer.fill_(float("nan"))  # the next batch
+        return out
+
+    out = result(step)
+    assert max_diff(out, want) <= TOL
+
+
 @pytest.mark.parametrize("devices", [[GPU] * 4, [CPU, GPU, GPU, CPU]],
                          ids=["gpu-only", "cpu-gpu-gpu-cpu"])
 def test_grads_read_right_after_backward_match_the_plain_model(devices):
