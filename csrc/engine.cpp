@@ -45,6 +45,21 @@ std::optional<c10::DeviceIndex> autograd_device_thread() {
 
 }  // namespace
 
+std::vector<bool> stages_inline_on(c10::DeviceIndex thread,
+                                   const std::vector<c10::Device>& stage_devices,
+                                   const std::vector<std::vector<c10::Device>>& graph_devices) {
+  TORCH_INTERNAL_ASSERT(graph_devices.size() == stage_devices.size());
+  auto served = [thread](const c10::Device& device) {
+    return !device.is_cpu() && device.index() == thread;
+  };
+  std::vector<bool> out(stage_devices.size(), false);
+  for (size_t j = 0; j < stage_devices.size(); ++j) {
+    out[j] = served(stage_devices[j]) ||
+             std::any_of(graph_devices[j].begin(), graph_devices[j].end(), served);
+  }
+  return out;
+}
+
 std::optional<c10::StreamGuard> on_compute_stream(const Stage& stage) {
   if (stage.device().is_cpu()) return std::nullopt;
   return std::optional<c10::StreamGuard>(std::in_place, stage.lane().compute);
@@ -569,8 +584,9 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
   std::vector<std::vector<at::Tensor>> sums(static_cast<size_t>(k),
                                             std::vector<at::Tensor>(externals));
   std::vector<std::vector<char>> owned(static_cast<size_t>(k), std::vector<char>(externals, 0));
-  // Leaves whose grads go straight into .grad (see PipeBackward), each under
-  // its own lock: a weight tied across stages gets grads from two workers.
+  // Leaves whose grads go straight into .grad (see PipeBackward), each
+  // through its own slot: a weight tied across stages gets grads from two
+  // workers, on two streams (graph.h).
   TORCH_INTERNAL_ASSERT(accumulate.size() == externals);
   std::vector<torch::autograd::AccumulateGrad*> accumulators(externals, nullptr);
   for (size_t e = 0; e < externals; ++e) {
@@ -580,12 +596,12 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
       TORCH_INTERNAL_ASSERT(accumulators[e] != nullptr);
     }
   }
-  auto accumulator_locks = std::make_unique<std::mutex[]>(externals);
+  auto accumulator_slots = std::make_unique<GradSlot[]>(externals);
   // Skip grads go straight back to the stashing stage, which gets them
   // before the next stage's grad (the popping stage hands i on after it
   // sent them): no receive here waits.
   Mailboxes skip_mail(k, m, skips_.size());
-  const CellFn cell = [this, &run, &sums, &owned, &accumulators, &accumulator_locks, &needed,
+  const CellFn cell = [this, &run, &sums, &owned, &accumulators, &accumulator_slots, &needed,
                        &wants_input, &wants_external, &owes, &skip_mail, inputs,
                        keep_graph](int64_t j, const Action& action, Payload in,
                                    const char*& phase) {
@@ -642,7 +658,7 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
       const auto id = static_cast<size_t>(ids[e]);
       sinks[e].wanted = needed[inputs + id];
       sinks[e].accumulate = accumulators[id];
-      sinks[e].lock = &accumulator_locks[id];
+      sinks[e].slot = &accumulator_slots[id];
     }
     Span span(tracer_, run.step, j, i, TracePhase::Backward, stage.lane().compute);
     std::vector<at::Tensor> external_grads;
@@ -676,17 +692,25 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
   // worker runs such a cell would hang. So the stages on device d run
   // inline here, in schedule order (nested backward runs on this thread),
   // and every other stage (other devices, CPU) keeps its worker, so
-  // backward still overlaps across devices on the host.
+  // backward still overlaps across devices on the host. A stage elsewhere
+  // whose graph has a node on device d (a buffer moved to the output's
+  // device, a tensor a layer closes over) needs this thread as much: it
+  // runs inline too (stages_inline_on).
   //
-  //   pt_autograd_d:  PipeBackward -> B(stages on d), inline, in order
+  //   pt_autograd_d:  PipeBackward -> B(stages on d, or reaching d), inline, in order
   //   workers:                        B(other stages), concurrently
   std::vector<bool> inline_stages;
   if (auto d = autograd_device_thread()) {
-    inline_stages.assign(static_cast<size_t>(k), false);
+    std::vector<c10::Device> devices;
+    std::vector<std::vector<c10::Device>> reached(static_cast<size_t>(k));
     for (int64_t j = 0; j < k; ++j) {
-      const auto device = stages_[static_cast<size_t>(j)]->device();
-      inline_stages[static_cast<size_t>(j)] = !device.is_cpu() && device.index() == *d;
+      devices.push_back(stages_[static_cast<size_t>(j)]->device());
+      for (const auto& c : run.cells[static_cast<size_t>(j)]) {
+        auto& r = reached[static_cast<size_t>(j)];
+        r.insert(r.end(), c.cut.devices.begin(), c.cut.devices.end());
+      }
     }
+    inline_stages = stages_inline_on(*d, devices, reached);
   }
   const at::ThreadLocalState state;
   // Ordered with the caller's streams both ways, as the forward (streams.h):

@@ -67,6 +67,13 @@ struct PipeRun {
 
 /// The stage's compute stream made current for a cell (nothing on CPU).
 std::optional<c10::StreamGuard> on_compute_stream(const Stage& stage);
+/// Which stages a backward running on the autograd engine thread of
+/// accelerator index `thread` runs inline (the deadlock rule, engine.cpp):
+/// stage j when it lives on an accelerator of that index, or when its
+/// cells' graphs have nodes there (`graph_devices[j]`, from their cuts).
+std::vector<bool> stages_inline_on(c10::DeviceIndex thread,
+                                   const std::vector<c10::Device>& stage_devices,
+                                   const std::vector<std::vector<c10::Device>>& graph_devices);
 /// How many of `microbatches` micro-batches (the first ones) `mode`
 /// checkpoints.
 int64_t checkpointed_microbatches(Checkpoint mode, int64_t microbatches);

@@ -3,9 +3,11 @@
 
 #include <ATen/SequenceNumber.h>
 #include <ATen/record_function.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <limits>
 #include <memory>
 #include <string>
@@ -44,13 +46,41 @@ Capture::Capture(const torch::autograd::InputMetadata& metadata) {
                      metadata.grad_dtype());
 }
 
-void accumulate_into(torch::autograd::AccumulateGrad& accumulator, std::mutex& lock,
+void GradSlot::after_last_write(c10::Device device) {
+  if (device.is_cpu() || !last_) return;
+  c10::impl::VirtualGuardImpl impl(device.type());
+  last_->block(impl.getStream(device));  // across devices too: a legal wait
+}
+
+void GradSlot::wrote(c10::Device device) {
+  if (device.is_cpu()) return;
+  c10::impl::VirtualGuardImpl impl(device.type());
+  // An event records on streams of one device; a write on another device
+  // (after waiting for this one, above) starts a new one.
+  if (!last_ || last_->device() != device) last_.emplace(device.type());
+  last_->record(impl.getStream(device));
+}
+
+void accumulate_into(torch::autograd::AccumulateGrad& accumulator, GradSlot& slot,
                      const at::Tensor& grad) {
-  std::lock_guard<std::mutex> hold(lock);
+  std::lock_guard<std::mutex> hold(slot.mutex);
   at::Tensor& sum = accumulator.variable.mutable_grad();
+  // The add runs on the current stream of the grad's device (the cell's
+  // compute stream), where the leaf's .grad lives.
+  slot.after_last_write(grad.device());
+  const at::Tensor before = sum;
   torch::autograd::AccumulateGrad::accumulateGrad(
       accumulator.variable, sum, grad, /*num_expected_refs=*/1,
       [&sum](at::Tensor&& update) { sum = std::move(update); });
+  if (before.defined() && !before.is_same(sum) && !before.device().is_cpu()) {
+    // Replaced out of place: the old .grad, made on another writer's
+    // stream, is freed when `before` goes, while the add reading it may
+    // still be queued here; the allocator must not hand its block to that
+    // other stream before then.
+    c10::impl::VirtualGuardImpl impl(before.device().type());
+    impl.recordDataPtrOnStream(before.storage().data_ptr(), impl.getStream(before.device()));
+  }
+  slot.wrote(grad.device());
 }
 
 torch::autograd::AccumulateGrad* plain_accumulator(const Edge& edge) {
@@ -68,7 +98,7 @@ torch::autograd::variable_list Capture::apply(torch::autograd::variable_list&& g
   at::Tensor& g = grads.at(0);
   if (!g.defined()) return {};
   if (accumulate != nullptr) {
-    accumulate_into(*accumulate, *lock, g);
+    accumulate_into(*accumulate, *slot, g);
   } else if (into != nullptr) {
     *into = into->defined() ? *into + g : std::move(g);
   }
@@ -85,6 +115,15 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
   }
   Cut cut;
   cut.reached.assign(leaves.size(), false);
+  // Autograd runs a node on the thread of the first non-CPU device its
+  // grads arrive on (InputBuffer::device): note each such device.
+  auto needs = [&](const torch::autograd::InputMetadata& metadata) {
+    const c10::Device device = metadata.device();
+    if (device.is_cpu()) return;
+    if (std::find(cut.devices.begin(), cut.devices.end(), device) == cut.devices.end()) {
+      cut.devices.push_back(device);
+    }
+  };
   auto own_leaf = [&](const Node* node) {
     auto it = own_leaves.find(node);
     if (it == own_leaves.end()) return false;
@@ -106,7 +145,9 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
     auto& slot = cut.captures[static_cast<size_t>(e)];
     if (!slot.is_valid()) {
       const Edge& outside = cut.externals[static_cast<size_t>(e)];
-      auto node = std::make_shared<Capture>(outside.function->input_metadata(outside.input_nr));
+      const auto& metadata = outside.function->input_metadata(outside.input_nr);
+      needs(metadata);
+      auto node = std::make_shared<Capture>(metadata);
       cut.capture_nodes[static_cast<size_t>(e)] = node;
       slot = Edge(std::move(node), 0);
     }
@@ -133,6 +174,7 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
   while (!stack.empty()) {
     Node* node = stack.back();
     stack.pop_back();
+    for (uint32_t i = 0; i < node->num_inputs(); ++i) needs(node->input_metadata(i));
     for (uint32_t i = 0; i < node->num_outputs(); ++i) {
       const Edge& edge = node->next_edge(i);
       Node* next = edge.function.get();

@@ -19,6 +19,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -26,6 +28,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -48,10 +51,36 @@ class GraphWindow {
   uint64_t end_;
 };
 
-/// Adds `grad` into `accumulator`'s leaf's `.grad` under `lock`, as a
-/// hook-free AccumulateGrad would: the first grad is stolen, the rest added
-/// in place.
-void accumulate_into(torch::autograd::AccumulateGrad& accumulator, std::mutex& lock,
+/// Where the grads of one outside tensor meet within a step (its leaf's
+/// `.grad`, or a sum of them): several stages' workers write there, each on
+/// its own stream. `mutex` orders the host calls; on an accelerator the
+/// device work needs ordering too, or two stages' `+=` run at once on two
+/// streams and one update is lost:
+///
+///   stage 0 compute   B(0,i): wait(last) .grad += g  rec(last)
+///   stage 3 compute                                   wait(last) .grad += g'  rec(last)
+///
+/// Each writer's stream waits for the last writer's event, then records its
+/// own. A reader on a stage stream (the reducer's flat copy) waits too; the
+/// caller's streams are ordered after every lane at the end of the step
+/// (streams.h). All no-ops on the CPU.
+class GradSlot {
+ public:
+  /// Held around a write: the host calls one at a time.
+  std::mutex mutex;
+  /// The current stream of `device` waits for the last write (under mutex).
+  void after_last_write(c10::Device device);
+  /// Marks a write just queued on the current stream of `device` (under mutex).
+  void wrote(c10::Device device);
+
+ private:
+  std::optional<c10::Event> last_;
+};
+
+/// Adds `grad` into `accumulator`'s leaf's `.grad` as a hook-free
+/// AccumulateGrad would (the first grad is stolen, the rest added in place),
+/// ordered after the slot's earlier writes.
+void accumulate_into(torch::autograd::AccumulateGrad& accumulator, GradSlot& slot,
                      const at::Tensor& grad);
 
 /// The accumulator `edge` leads to when it is an AccumulateGrad without
@@ -61,8 +90,8 @@ torch::autograd::AccumulateGrad* plain_accumulator(const torch::autograd::Edge& 
 /// Stands in for an outside node inside a cell's graph (see `Cut`). When a
 /// backward runs it, it hands the grad arriving here to its sink: adds it
 /// into `into` (a sum the cell's backward reads), or into `accumulate`'s
-/// `.grad` under `lock`, as an AccumulateGrad without hooks would. It has no
-/// hooks of its own.
+/// `.grad` through `slot`, as an AccumulateGrad without hooks would. It has
+/// no hooks of its own.
 class Capture : public torch::autograd::Node {
  public:
   explicit Capture(const torch::autograd::InputMetadata& metadata);
@@ -72,7 +101,7 @@ class Capture : public torch::autograd::Node {
   /// Where the next backward's grad goes; set by the cell's backward.
   at::Tensor* into = nullptr;
   torch::autograd::AccumulateGrad* accumulate = nullptr;
-  std::mutex* lock = nullptr;
+  GradSlot* slot = nullptr;
 };
 
 /// A cell's graph, cut where it leaves the cell.
@@ -95,6 +124,11 @@ struct Cut {
   /// For each of the cell's input leaves: whether the graph reaches it (an
   /// output depends on that input).
   std::vector<bool> reached;
+  /// The devices other than the CPU that the graph's nodes (capture nodes
+  /// included) take grads on, once each. Autograd runs a node on the engine
+  /// thread of that device, so a backward of this graph needs those threads
+  /// (the deadlock rule, engine.cpp).
+  std::vector<c10::Device> devices;
 };
 
 /// Walks the graph behind `outputs` through the nodes inside `window` and

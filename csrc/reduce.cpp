@@ -194,6 +194,12 @@ void GradReducer::launch(size_t group, bool zeros) {
     std::vector<at::Tensor> pieces;
     pieces.reserve(bucket.leaves.size());
     for (const auto& v : bucket.leaves) {
+      if (!zeros && slot_of_) {
+        if (GradSlot* slot = slot_of_(v)) {
+          std::lock_guard<std::mutex> hold(slot->mutex);
+          slot->after_last_write(v.device());
+        }
+      }
       const at::Tensor& g = v.grad();
       pieces.push_back(zeros || !g.defined() ? at::zeros({v.numel()}, v.options())
                                              : g.reshape({-1}));

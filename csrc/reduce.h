@@ -61,6 +61,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -113,6 +114,13 @@ class GradReducer {
   /// The launches of the last step, in order.
   const std::vector<Launch>& launches() const noexcept { return launches_; }
 
+  /// A leaf's slot (graph.h), or null: the flat copy reads each leaf's
+  /// `.grad` on the launching stage's stream, after the writes other stages
+  /// queued on theirs (a weight tied across this rank's stages). Set for a
+  /// step's duration (train_step's grad sinks live as long), then unset.
+  using SlotOf = std::function<GradSlot*(const at::Tensor& leaf)>;
+  void set_slots(SlotOf slot_of) { slot_of_ = std::move(slot_of); }
+
  private:
   struct Leaf {
     at::Tensor variable;
@@ -162,6 +170,7 @@ class GradReducer {
   std::vector<std::vector<Bucket>> groups_;
   size_t launched_ = 0;
   std::vector<Launch> launches_;
+  SlotOf slot_of_;
 };
 
 }  // namespace gpipe::detail

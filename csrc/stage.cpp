@@ -356,12 +356,12 @@ class ArmedCaptures {
       if (!node) continue;
       node->into = &external_grads[e];
       node->accumulate = sinks[e].accumulate;
-      node->lock = sinks[e].lock;
+      node->slot = sinks[e].slot;
     }
   }
   ~ArmedCaptures() {
     for (const auto& node : cut_.capture_nodes) {
-      if (node) node->into = nullptr, node->accumulate = nullptr, node->lock = nullptr;
+      if (node) node->into = nullptr, node->accumulate = nullptr, node->slot = nullptr;
     }
   }
   ArmedCaptures(const ArmedCaptures&) = delete;
@@ -378,7 +378,7 @@ void deliver_direct(int64_t direct, const at::Tensor& grad, const std::vector<Ex
   const auto& sink = sinks[static_cast<size_t>(direct)];
   if (!sink.wanted) return;
   if (sink.accumulate != nullptr) {
-    accumulate_into(*sink.accumulate, *sink.lock, grad);
+    accumulate_into(*sink.accumulate, *sink.slot, grad);
   } else {
     auto& g = external_grads[static_cast<size_t>(direct)];
     g = g.defined() ? g + grad : grad;

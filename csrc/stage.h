@@ -49,10 +49,11 @@ class VersionWatch {
 struct ExternalSink {
   /// Whether autograd asked for them at all.
   bool wanted = false;
-  /// Non-null: straight into this leaf's `.grad` (under `lock`), micro-batch
-  /// by micro-batch, as a hook-free AccumulateGrad would; else returned.
+  /// Non-null: straight into this leaf's `.grad` (through `slot`, which
+  /// orders the writers), micro-batch by micro-batch, as a hook-free
+  /// AccumulateGrad would; else returned.
   torch::autograd::AccumulateGrad* accumulate = nullptr;
-  std::mutex* lock = nullptr;
+  GradSlot* slot = nullptr;
 };
 
 /// What one (stage, micro-batch) cell keeps between its forward and its

@@ -45,16 +45,16 @@ using torch::autograd::Edge;
 
 // Where the step's grads for tensors outside the cells go, one entry per
 // outside edge, shared by every worker: a hook-free leaf accumulator gets
-// each grad as it arrives (under the entry's lock: a weight tied across
-// stages gets grads from two workers); anything else (a hooked leaf, a
-// non-leaf's grad_fn) gets the step's sum once at the end, as autograd
-// would hand it on.
+// each grad as it arrives (through the entry's slot: a weight tied across
+// stages gets grads from two workers, on two streams; graph.h); anything
+// else (a hooked leaf, a non-leaf's grad_fn) gets the step's sum once at
+// the end, as autograd would hand it on.
 class Outside {
  public:
   struct Entry {
     Edge edge;
     torch::autograd::AccumulateGrad* accumulate = nullptr;
-    std::mutex lock;
+    GradSlot slot;
     at::Tensor sum;
   };
 
@@ -75,7 +75,7 @@ class Outside {
       entries[e] = slot.get();
       out[e].wanted = true;
       out[e].accumulate = slot->accumulate;
-      out[e].lock = &slot->lock;
+      out[e].slot = &slot->slot;
     }
     return out;
   }
@@ -86,12 +86,32 @@ class Outside {
     for (size_t e = 0; e < grads.size(); ++e) {
       if (!grads[e].defined()) continue;
       Entry& entry = *entries[e];
-      std::lock_guard<std::mutex> hold(entry.lock);
-      entry.sum = entry.sum.defined() ? entry.sum + grads[e] : std::move(grads[e]);
+      std::lock_guard<std::mutex> hold(entry.slot.mutex);
+      const c10::Device device = grads[e].device();
+      entry.slot.after_last_write(device);
+      if (entry.sum.defined()) {
+        // The old sum, perhaps made on another worker's stream, is freed as
+        // it is replaced while the add reading it is still queued here.
+        record_on_current_streams({entry.sum});
+        entry.sum = entry.sum + grads[e];
+      } else {
+        entry.sum = std::move(grads[e]);
+      }
+      entry.slot.wrote(device);
     }
   }
 
   const std::vector<Entry*>& entries() const noexcept { return order_; }
+
+  /// The slot of `leaf`'s accumulator, once a cell's backward has reached
+  /// it; else null.
+  GradSlot* slot_of(const at::Tensor& leaf) {
+    const auto node = torch::autograd::impl::try_get_grad_accumulator(leaf);
+    if (!node) return nullptr;
+    std::lock_guard<std::mutex> hold(mutex_);
+    auto it = by_edge_.find(Key(node.get(), 0));
+    return it == by_edge_.end() ? nullptr : &it->second->slot;
+  }
 
  private:
   using Key = std::pair<const torch::autograd::Node*, uint32_t>;
@@ -334,6 +354,16 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
   std::vector<at::Tensor> losses(static_cast<size_t>(m));
   std::vector<Payload> input_grads(static_cast<size_t>(m));
   Outside outside;
+  // The reducer reads tied leaves' grads after every stage's writes (graph.h).
+  struct UnsetSlots {
+    GradReducer* reducer;
+    ~UnsetSlots() {
+      if (reducer) reducer->set_slots(nullptr);
+    }
+  } unset_slots{reducer};
+  if (reducer) {
+    reducer->set_slots([&outside](const at::Tensor& leaf) { return outside.slot_of(leaf); });
+  }
   // In-process: every stage here, mailboxes between them. Over a group:
   // this rank's stages, the process group between ranks.
   // Over a group the hand-offs with other ranks are traced (Send, Receive).

@@ -1,4 +1,5 @@
 // test_executor.cpp — the executor's workers and the stages it runs on the calling thread (the CUDA deadlock rule's split).
+#include "engine.h"
 #include "executor.h"
 
 #include <gpipe/error.h>
@@ -167,4 +168,20 @@ TEST_CASE("executor: a task that throws cancels a plan's run without a hang", "[
     }
     CHECK(mail.cancelled());
   }
+}
+
+TEST_CASE("the deadlock rule: stages on the thread's device, or whose graphs reach it, run inline",
+          "[executor]") {
+  using gpipe::detail::stages_inline_on;
+  const c10::Device cpu(c10::kCPU), gpu0(c10::kCUDA, 0), gpu1(c10::kCUDA, 1);
+  // CPU -> cuda:0 -> cuda:1 -> cuda:0, PipeBackward on cuda:0's engine thread.
+  const std::vector<c10::Device> stages{cpu, gpu0, gpu1, gpu0};
+  CHECK(stages_inline_on(0, stages, {{}, {}, {}, {}}) == std::vector<bool>{false, true, false, true});
+  CHECK(stages_inline_on(1, stages, {{}, {}, {}, {}}) == std::vector<bool>{false, false, true, false});
+  // The CPU stage closes over a tensor on cuda:0, the cuda:1 stage moved a
+  // buffer to cuda:1 only: the first joins cuda:0's thread, the second
+  // needs none but its own.
+  const std::vector<std::vector<c10::Device>> reached{{gpu0}, {}, {gpu1}, {}};
+  CHECK(stages_inline_on(0, stages, reached) == std::vector<bool>{true, true, false, true});
+  CHECK(stages_inline_on(1, stages, reached) == std::vector<bool>{false, false, true, false});
 }

@@ -67,3 +67,33 @@ TEST_CASE("nodes made on another thread during the window are outside") {
   REQUIRE(cut.externals.size() == 1);
   CHECK(cut.externals[0].function == other.grad_fn());
 }
+
+TEST_CASE("a cut names the non-CPU devices its nodes take grads on (the deadlock rule's input)") {
+  // The meta device stands in for an accelerator here: its nodes would run
+  // on that device's engine thread.
+  auto leaf = torch::randn({2, 3}, torch::requires_grad());
+  auto weight = torch::randn({3, 3}, torch::requires_grad());
+  {
+    GraphWindow window;
+    auto out = leaf.matmul(weight).tanh();
+    window.close();
+    CHECK(cut_at_externals({out}, window, {leaf}).devices.empty());
+  }
+  {
+    GraphWindow window;
+    auto out = leaf.matmul(weight).to(at::kMeta) * 2;  // a node on the meta device
+    window.close();
+    const auto cut = cut_at_externals({out}, window, {leaf});
+    REQUIRE(cut.devices.size() == 1);
+    CHECK(cut.devices[0] == c10::Device(at::kMeta));
+  }
+  {
+    // A capture node stands in for an outside tensor on that device.
+    auto far = torch::randn({3}, torch::TensorOptions().device(at::kMeta).requires_grad(true));
+    GraphWindow window;
+    auto out = leaf.to(at::kMeta) + far;
+    window.close();
+    const auto cut = cut_at_externals({out}, window, {leaf});
+    CHECK(cut.devices == std::vector<c10::Device>{c10::Device(at::kMeta)});
+  }
+}

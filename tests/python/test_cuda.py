@@ -466,3 +466,134 @@ def test_skip_from_a_cpu_stage_to_a_cuda_stage(checkpoint: str) -> None:
     copies = [e for e in pipe.trace.events if e.phase == "copy" and e.stage == 2]
     # Micro-batch 0 and 1: the main input comes from cuda:0 (no copy), the skip from the CPU.
     assert sorted(e.microbatch for e in copies) == [0, 1]
+
+
+# -- issue 23: what a careful reading found, by construction ----------------------------
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_a_weight_tied_between_stages_0_and_3_gets_every_grad(checkpoint):
+    """Stages 0 and 3 on cuda:0 share a weight: each adds its grads into the one .grad on
+    its own stream, 32 micro-batches, no synchronisation. The writers are ordered by the
+    slot's last-writer event (graph.h), so no update is lost: the sum is the plain model's."""
+    torch.manual_seed(3)
+    first, last = nn.Linear(128, 128), nn.Linear(128, 128)
+    last.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(128, 128), nn.Tanh(),
+                          nn.Linear(128, 128), nn.Tanh(), last).double()
+    ref = copy.deepcopy(model).to(GPU)
+    pipe = gpipe.Pipe(model, balance=[2, 2, 2, 1], devices=[GPU] * 4, chunks=32,
+                      checkpoint=checkpoint)
+    assert pipe[0].weight is pipe[6].weight
+    x = torch.randn(256, 128, dtype=torch.float64, device=GPU)
+
+    def step() -> None:
+        for _ in range(2):  # grads accumulate over two steps, as in the plain model
+            pipe(x).sum().backward()
+
+    result(step)
+    for _ in range(2):
+        ref(x).sum().backward()
+    assert_same_grads(pipe, ref)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_train_step_on_one_gpu_with_a_tied_weight(schedule):
+    """In-process train_step over 4 stages on cuda:0, a weight tied between stages 0 and 3:
+    loss and grads equal the plain model's (zb_h1 writes weight grads in W tasks, late)."""
+    torch.manual_seed(4)
+    first, last = nn.Linear(64, 64), nn.Linear(64, 64)
+    last.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 64), nn.Tanh(), last).double()
+    ref = copy.deepcopy(model).to(GPU)
+    pipe = gpipe.Pipe(model, balance=[2, 2, 2, 1], devices=[GPU] * 4, chunks=8,
+                      schedule=schedule)
+    x = torch.randn(64, 64, dtype=torch.float64, device=GPU)
+    y = torch.randn(64, 64, dtype=torch.float64, device=GPU)
+    loss = result(lambda: pipe.train_step(x, y, nn.functional.mse_loss))
+    want = nn.functional.mse_loss(ref(x), y)
+    want.backward()
+    assert max_diff(loss, want) <= TOL
+    assert_same_grads(pipe, ref)
+
+
+def test_dropout_on_cuda_draws_the_same_masks_in_every_checkpoint_mode():
+    """One seed, dropout in three stages on cuda:0: recompute replays each cell's masks,
+    so 'always', 'except_last' and 'never' give bitwise the same outputs and grads."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.5), nn.Linear(32, 32), nn.Dropout(0.3),
+                          nn.Linear(32, 32), nn.Dropout(0.2), nn.Linear(32, 4)).double()
+    x = torch.randn(32, 32, dtype=torch.float64, device=GPU)
+    got = {}
+    for mode in MODES:
+        pipe = gpipe.Pipe(copy.deepcopy(model), balance=[2, 2, 2, 1], devices=[GPU] * 4,
+                          chunks=4, checkpoint=mode)
+        torch.manual_seed(5)
+        out = result(lambda: pipe(x))
+        result(lambda: out.sum().backward())
+        got[mode] = (out.detach(), [p.grad.clone() for p in pipe.parameters()])
+    for mode in ("except_last", "never"):
+        assert torch.equal(got[mode][0], got["always"][0]), mode
+        for a, b in zip(got[mode][1], got["always"][1]):
+            assert torch.equal(a, b), mode
+
+
+def test_a_training_loop_under_a_stream_of_its_own_matches_the_plain_model():
+    """The whole loop (forward, backward, optimizer.step()) under
+    ``torch.cuda.stream(s)``, a stream that is neither the default nor a stage's, behind a
+    ballast: the stages wait for it at each step's start, and it waits for them at the end."""
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(),
+                          nn.Linear(128, 4)).double()
+    ref = copy.deepcopy(model).to(GPU)
+    pipe = gpipe.Pipe(model, balance=[2, 2, 1], devices=[GPU] * 3, chunks=4)
+    data = [(torch.randn(64, 32, dtype=torch.float64), torch.randn(64, 4, dtype=torch.float64))
+            for _ in range(10)]
+
+    def train(module: nn.Module, stream) -> List[Tensor]:
+        sgd = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        with torch.cuda.stream(stream):
+            for x, target in data:
+                sgd.zero_grad()
+                if stream is not None:
+                    ballast()
+                out = module(x.to(GPU))
+                loss = nn.functional.mse_loss(out, target.to(GPU))
+                loss.backward()
+                sgd.step()
+                losses.append(loss.detach().clone())
+        torch.cuda.synchronize()
+        return losses
+
+    got = result(lambda: train(pipe, torch.cuda.Stream()))
+    want = train(ref, None)
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert max_diff(a, b) <= TOL, f"step {k}: loss"
+    for (name, p), (_, q) in zip(pipe.named_parameters(), ref.named_parameters()):
+        assert max_diff(p, q) <= TOL, f"parameter {name} after 10 steps"
+
+
+class ThroughTheGpu(nn.Module):
+    """A layer of a CPU stage that computes on cuda:0 and comes back: its backward has
+    nodes on cuda:0, which autograd runs on cuda:0's engine thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.linear(x).to(GPU)).cpu()
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_a_cpu_stage_whose_graph_reaches_the_gpu_does_not_hang(checkpoint):
+    """Stage 0 (CPU) runs part of its layer on cuda:0; the output lives on cuda:0, so
+    backward reaches the Pipe on cuda:0's engine thread, which stage 0's backward needs
+    too. Its cells' graphs name cuda:0, so it runs there, inline (the deadlock rule):
+    no hang (the timeout of ``result``), and transparent."""
+    torch.manual_seed(2)
+    model = nn.Sequential(ThroughTheGpu(), nn.Linear(8, 8)).double()
+    ref = copy.deepcopy(model)
+    pipe = gpipe.Pipe(model, balance=[1, 1], devices=[CPU, GPU], chunks=4, checkpoint=checkpoint)
+    check_step(pipe, ref, torch.randn(12, 8, dtype=torch.float64), CPU, GPU)
