@@ -6,12 +6,14 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <tuple>
 #include <unordered_set>
@@ -154,6 +156,18 @@ void GradReducer::lay_out() {
 
 bool GradReducer::exchange_status(bool failed) {
   at::NoGradGuard no_grad;
+  // On a GPU the status lives on a stream of its own: reading it on the
+  // host (.cpu() waits for the current stream) then waits for the exchange
+  // alone, not for the stage's compute stream, which would drain mid-step.
+  // The status depends on no queued work, so nothing orders it after any.
+  std::optional<c10::StreamGuard> on_side;
+  if (!status_device_.is_cpu()) {
+    if (!status_stream_) {
+      c10::impl::VirtualGuardImpl impl(status_device_.type());
+      status_stream_ = impl.getStreamFromGlobalPool(status_device_);
+    }
+    on_side.emplace(*status_stream_);
+  }
   const int64_t size = group_->getSize();
   std::vector<at::Tensor> status{at::zeros({size}, at::TensorOptions(at::kLong).device(status_device_))};
   if (failed) status[0][group_->getRank()].fill_(1);

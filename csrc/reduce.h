@@ -56,12 +56,14 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/core/Stream.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -148,6 +150,8 @@ class GradReducer {
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   c10::Device status_device_;
+  /// Where the status exchange runs on a GPU (made on first use).
+  std::optional<c10::Stream> status_stream_;
   int64_t cap_;
   State state_ = State::Idle;
   std::string peer_failure_;
