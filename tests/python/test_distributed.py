@@ -232,7 +232,9 @@ def _worker_cuda() -> None:
 
     backend = os.environ["GPIPE_TEST_BACKEND"]
     dist.init_process_group(backend, timeout=timedelta(seconds=60))
-    torch.cuda.set_device(0)
+    # NCCL takes one GPU per process: rank r on GPU r (the test asks for enough).
+    # Gloo's ranks share GPU 0.
+    torch.cuda.set_device(dist.get_rank() if backend == "nccl" else 0)
     world = dist.get_world_size()
     torch.manual_seed(1)
     x = torch.randn(12, 6, dtype=torch.double)
@@ -512,9 +514,23 @@ def test_stages_on_the_gpu(backend, world, handoffs):
         for rank, r in _results(run, f"cuda-{schedule}").items():
             assert r["grad_error"] <= 1e-10, (schedule, rank, r)
             assert r["loss_error"] <= 1e-10, (schedule, rank, r)
-            assert r["devices"] == ["cuda:0"], (schedule, rank, r)
+            assert r["devices"] == [f"cuda:{rank if backend == 'nccl' else 0}"], (schedule, rank, r)
             assert r["handoffs"] == handoffs, (schedule, rank, r)
     assert run["codes"] == [0] * world, run["logs"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stages_on_several_gpus_over_nccl(world):
+    """NCCL with one rank per GPU (tests/gpu/run_multi.sh, on a machine with >= ``world``
+    GPUs): every schedule's loss and grads equal the plain model's."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA devices, found {torch.cuda.device_count()}")
+    run = _spawn("cuda", world=world, handoffs="ordered", GPIPE_TEST_BACKEND="nccl")
+    for schedule in ("1f1b", "interleaved_1f1b", "zb_h1"):
+        for rank, r in _results(run, f"cuda-{schedule}").items():
+            assert r["grad_error"] <= 1e-10, (schedule, rank, r)
+            assert r["loss_error"] <= 1e-10, (schedule, rank, r)
+            assert r["devices"] == [f"cuda:{rank}"], (schedule, rank, r)
 
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
