@@ -200,9 +200,12 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
     c10::impl::VirtualGuardImpl impl(device_.type());
     side_ = impl.getStreamFromGlobalPool(device_);
   }
+  // Gloo's sends say they are done only to a wait (see reap_in_order).
+  if (gloo_ && size_ > 1) reaper_ = std::thread([this] { reap_in_order(); });
 }
 
 ProcessGroupTransport::~ProcessGroupTransport() {
+  stop_reaper();
   // A step that ended normally left nothing in flight; after a failure
   // `fail` buried what was. Anything left here comes from an exception
   // between begin and finish/fail: drop it the same careful way.
@@ -276,6 +279,99 @@ void ProcessGroupTransport::bury(Pending pending) {
   graveyard->push_back(std::move(pending));
 }
 
+void ProcessGroupTransport::keep_sent(std::vector<Pending>& out) {
+  reap();
+  for (auto& p : out) sent_works_.push_back(std::move(p));
+  sends_changed_.notify_all();
+}
+
+void ProcessGroupTransport::reap() {
+  // A send's tensors are released as soon as its send is known to be done
+  // (see the top of transport_c10d.h): a stage that runs 1F1B keeps K
+  // micro-batches alive, not the M a step sends. Only a send that completed
+  // successfully goes: one still in flight must outlive its transfer (the
+  // backend reads the tensor's memory until then; see bury), and a failed
+  // one stays for finish() to report. On NCCL, isCompleted() means the GPU
+  // is done with the send, and dropping our reference would be safe even
+  // earlier: ProcessGroupNCCL's point-to-point ops keep the caching
+  // allocator from reusing a sent tensor's memory until the communication
+  // stream has passed the send (they record the tensor on that stream, or
+  // with TORCH_NCCL_AVOID_RECORD_STREAMS stash it on the work).
+  //
+  // Gloo's works say isCompleted() only after a wait: there the reaper
+  // thread waits for them instead, and this poll would find nothing.
+  if (reaper_.joinable()) return;
+  std::erase_if(sent_works_, [](const Pending& p) {
+    return p.work->isCompleted() && !p.work->exception();
+  });
+}
+
+void ProcessGroupTransport::reap_in_order() {
+  // Gloo: a send is done once the peer posted its receive and the bytes
+  // left (the receives are posted early, see the top of transport_c10d.h,
+  // so this is soon after the send), but its work says so only to a wait,
+  // and a wait cannot poll: one that times out fails every pending op of
+  // the group. So this thread waits for each send in the order they were
+  // queued, and drops the send (its tensors) when its wait returns. A wait
+  // lasts until the peer asks, as a receive's does, within the group's
+  // timeout. On an error the reaper stops at that send: finish() reports
+  // it, fail() buries it and the rest.
+  std::unique_lock<std::mutex> hold(mutex_);
+  while (true) {
+    sends_changed_.wait(hold, [&] {
+      return stop_reaper_ || (!sent_works_.empty() && !send_error_);
+    });
+    if (stop_reaper_) return;
+    c10::intrusive_ptr<c10d::Work> work = sent_works_.front().work;
+    reaping_ = work;
+    hold.unlock();
+    bool taken = false;
+    std::exception_ptr error;
+    try {
+      taken = work->wait();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    hold.lock();
+    reaping_.reset();
+    // Meanwhile fail() (or finish()) may have taken the queue: only a send
+    // still at its front is this thread's to drop.
+    if (sent_works_.empty() || sent_works_.front().work != work) continue;
+    if (error) {
+      send_error_ = error;
+      sends_changed_.notify_all();
+      continue;
+    }
+    if (!taken) {
+      // The wait was aborted, which only stop_reaper does; the send may
+      // still be in flight and stays queued (the destructor buries it).
+      // Anyone else's abort is a failure, not a reason to spin on the send.
+      if (!stop_reaper_) {
+        send_error_ = std::make_exception_ptr(
+            c10::Error("the wait for a send was aborted", /*backtrace=*/nullptr));
+        sends_changed_.notify_all();
+      }
+      continue;
+    }
+    // Taken: its tensors go now (before finish() can see the queue empty).
+    sent_works_.pop_front();
+    sends_changed_.notify_all();
+  }
+}
+
+void ProcessGroupTransport::stop_reaper() {
+  if (!reaper_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    stop_reaper_ = true;
+    // Ends the wait only: Gloo's SendWork::abort wakes its waiter and
+    // leaves the send in flight (it stays in sent_works_, to be buried).
+    if (reaping_) reaping_->abort();
+  }
+  sends_changed_.notify_all();
+  reaper_.join();
+}
+
 void ProcessGroupTransport::begin(int64_t microbatches, const Handoffs& handoffs,
                                   std::vector<SkipRoute> routes) {
   microbatches_ = microbatches;
@@ -288,7 +384,7 @@ void ProcessGroupTransport::begin(int64_t microbatches, const Handoffs& handoffs
     connected_ = true;
   }
   std::lock_guard<std::mutex> hold(mutex_);
-  TORCH_INTERNAL_ASSERT(headers_.empty() && sent_works_.empty());
+  TORCH_INTERNAL_ASSERT(headers_.empty() && sent_works_.empty() && !send_error_);
   owed_.clear();
   for (const auto& a : handoffs.sends) {
     if (owner(a.stage) != rank_) owed_.insert(key(a));
@@ -458,7 +554,7 @@ void ProcessGroupTransport::send_wire(const std::vector<int64_t>& ints, int64_t 
   send_tensor(head, to, tag, out);
   if (rest.defined()) send_tensor(rest, to, tag, out);
   std::lock_guard<std::mutex> hold(mutex_);
-  for (auto& p : out) sent_works_.push_back(std::move(p));
+  keep_sent(out);
 }
 
 void ProcessGroupTransport::send(const Address& to, Payload payload) {
@@ -486,7 +582,7 @@ void ProcessGroupTransport::send(const Address& to, Payload payload) {
   sent_meta_[key(to)] = std::move(meta);
   send_values(batch, dst, data_tag, out);
   std::lock_guard<std::mutex> hold(mutex_);
-  for (auto& p : out) sent_works_.push_back(std::move(p));
+  keep_sent(out);
   owed_.erase(key(to));
 }
 
@@ -504,6 +600,7 @@ std::optional<Payload> ProcessGroupTransport::receive(const Address& at) {
                           " was not announced by begin, or taken twice");
     head = std::move(it->second);
     headers_.erase(it);
+    reap();
     // The sender sends last step's shapes (or filler) on kExpectedPart:
     // this address's receives must be posted; the window moves on.
     post_early(at);
@@ -582,7 +679,6 @@ void ProcessGroupTransport::cancel() {
 }
 
 void ProcessGroupTransport::finish() {
-  std::vector<Pending> sends;
   {
     std::lock_guard<std::mutex> hold(mutex_);
     TORCH_INTERNAL_ASSERT(headers_.empty() && early_.empty(), "gpipe: a step ended with ",
@@ -594,11 +690,31 @@ void ProcessGroupTransport::finish() {
                             channel.expected - channel.taken, " hand-offs from rank ", from,
                             " not received");
     }
-    sends.swap(sent_works_);
   }
-  for (auto& p : sends) {
+  // What is left: sends not known to be taken yet. With a reaper, it is
+  // waiting through them; without, wait here, in order. Either way a send
+  // stays queued until it is done, so a failure leaves the rest (maybe in
+  // flight) for fail() to bury.
+  std::unique_lock<std::mutex> hold(mutex_);
+  if (reaper_.joinable()) {
+    sends_changed_.wait(hold, [&] { return sent_works_.empty() || send_error_; });
+  }
+  while (!send_error_ && !sent_works_.empty()) {
+    c10::intrusive_ptr<c10d::Work> work = sent_works_.front().work;
+    hold.unlock();
     try {
-      p.work->wait();
+      work->wait();
+    } catch (...) {
+      hold.lock();
+      send_error_ = std::current_exception();
+      break;
+    }
+    hold.lock();
+    if (!sent_works_.empty() && sent_works_.front().work == work) sent_works_.pop_front();
+  }
+  if (send_error_) {
+    try {
+      std::rethrow_exception(send_error_);
     } catch (const std::exception& e) {
       fail_between_ranks("gpipe: rank ", rank_, " could not hand its outputs on: ", e.what());
     }
@@ -647,9 +763,12 @@ void ProcessGroupTransport::fail(const std::string& what) {
   }
   early_.clear();
   drop_channels();
-  // Sends nobody will take: kept alive (they may still be read).
+  // Sends nobody will take: kept alive (they may still be read). The
+  // reaper may be waiting for one of them; it holds a reference of its own
+  // and drops nothing it no longer finds queued.
   for (auto& p : sent_works_) bury(std::move(p));
   sent_works_.clear();
+  send_error_ = nullptr;
 }
 
 
@@ -762,7 +881,7 @@ void ProcessGroupTransport::ordered_send(const Address& to, int dst, Batch batch
   if (!hit) send_values(batch, dst, 0, out);
   std::lock_guard<std::mutex> hold(mutex_);
   sent_order_meta_[{dst, k}] = std::move(meta);
-  for (auto& p : out) sent_works_.push_back(std::move(p));
+  keep_sent(out);
   owed_.erase(key(to));
 }
 
@@ -772,6 +891,7 @@ std::optional<Payload> ProcessGroupTransport::ordered_receive(const Address& at,
     Channel* channel = nullptr;
     {
       std::lock_guard<std::mutex> hold(mutex_);
+      reap();
       auto got = inbox_.find(key(at));
       if (got != inbox_.end()) {
         Payload payload = std::move(got->second);

@@ -50,6 +50,19 @@
 // bound to a device at init (eager) runs all of its point-to-point
 // messages on one queue, which serializes the hand-offs.
 //
+// Sends: a send's tensors (and its work) are kept until the send is known
+// to be taken, then released at once, not at the end of the step: 1F1B
+// holds only K micro-batches' activations on a stage, and sends kept until
+// `finish` would keep all M alive on every sending rank. How a send becomes
+// known to be taken depends on the backend. Gloo's send works report
+// completion only to a wait (isCompleted() stays false until then, and a
+// wait that times out fails the whole group, so it cannot be polled): a
+// thread of this transport (the reaper) waits for each send in turn and
+// drops it when done. Other backends (NCCL) report completion without a
+// wait: completed sends are dropped whenever a send is queued or a receive
+// asked for. A send that failed, or is still in flight, stays until
+// `finish` (which waits for the rest and reports a failed send) or `fail`.
+//
 // Failure: a rank whose task fails calls `fail`, which sends a failure header
 // (origin rank and its message) to every address it still owes (ordered: to
 // every rank it still owes a message); the peer
@@ -71,12 +84,16 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -126,7 +143,8 @@ class ProcessGroupTransport final : public Transport {
   void cancel() override;
   bool cancelled() const override { return cancelled_.load(); }
   /// Ends a step that ran through: waits until every peer took what this
-  /// rank sent (the group's timeout bounds it).
+  /// rank sent (the group's timeout bounds it); throws, naming this rank,
+  /// if a send failed.
   void finish();
   /// Ends a failed step: every address this rank still owes gets a failure
   /// header saying so (`what`, or the failure of the peer that stopped
@@ -167,6 +185,14 @@ class ProcessGroupTransport final : public Transport {
   std::string describe_address(const Address& a) const;
   /// Keeps `pending` alive for the life of the process (see fail()).
   static void bury(Pending pending);
+  /// Queues `out`'s sends in sent_works_ (under mutex_), after reap().
+  void keep_sent(std::vector<Pending>& out);
+  /// Without a reaper: drops the sends that completed successfully (under mutex_).
+  void reap();
+  /// The reaper's loop (Gloo): waits for sent_works_' front, drops it once taken.
+  void reap_in_order();
+  /// Ends the reaper's wait (not the send) and joins it.
+  void stop_reaper();
 
   // The ordered mode (see the top of this file).
   struct Channel {
@@ -219,7 +245,13 @@ class ProcessGroupTransport final : public Transport {
   std::mutex mutex_;
   std::map<Key, Pending> headers_;   // posted header receives not yet taken
   std::vector<Pending> waiting_;     // receives being waited on (cancel aborts them)
-  std::vector<Pending> sent_works_;  // sends not yet known to be taken
+  std::deque<Pending> sent_works_;   // sends not yet known to be taken, in order
+  // The reaper (Gloo; see the top of this file): the send it waits for, how
+  // a send failed (it then stops there, and finish reports it), its stop.
+  std::condition_variable sends_changed_;  // a send queued, taken or failed; a stop
+  c10::intrusive_ptr<c10d::Work> reaping_;
+  std::exception_ptr send_error_;
+  bool stop_reaper_ = false;
   std::set<Key> owed_;               // addresses this step sends to, not yet sent
   // Last step's metadata per address, as sent and as received (the same
   // when both ends ran it): the shapes of the early receives.
@@ -239,6 +271,9 @@ class ProcessGroupTransport final : public Transport {
   std::atomic<bool> cancelled_{false};
   // The failure a peer announced: its rank and message.
   std::optional<std::pair<int64_t, std::string>> peer_failure_;
+  // Last: started when everything it reads exists, joined (stop_reaper)
+  // before anything is destroyed.
+  std::thread reaper_;
 };
 
 }  // namespace gpipe::detail
