@@ -1,6 +1,6 @@
 """gpipe.distributed against torch.distributed.pipelining: 4 CPU processes, Gloo, the same run.
 
-    python3 bench/dist.py [--quick]
+    python3 bench/dist.py [--quick] [--only time|memory]
 
 Both run one stage per process (K = 4 ranks of one Gloo group on localhost,
 spawned once; every row runs in these same processes, one after the
@@ -44,8 +44,29 @@ The last lines are
 `BENCH dist model=<sim|tiny> schedule=<name> pipelining_over_gpipe=...
 comm_ms=... handoff_us=... send_ms=...` (theirs / ours: above 1 means gpipe
 is faster).
+
+Memory (its own 4 processes, after the timing; `--only memory` runs it
+alone): the peak RSS growth of each rank during one training step under
+gpipe.distributed.Pipe(schedule='gpipe') and (schedule='1f1b'), K = 4, M = 16,
+checkpoint never, on 8 x (Linear(2048, 2048) + ReLU), batch 4096 (--quick:
+Linear(256, 256), batch 256), loss = output.sum(). The weight matrices are
+frozen and the biases train (8 KiB of grads), and the input needs no grad:
+so every stage keeps its graph between F and B (its two ReLUs' outputs,
+2 MiB each per micro-batch), and nothing else grows with M but what the
+transport holds. Per rank: glibc's mmap threshold fixed at 64 KiB (so a
+freed tensor goes back to the kernel and RSS follows live memory; with
+glibc's default, freed heap memory stays resident and the high-water mark
+measures fragmentation), a warm-up step, malloc_trim, then VmRSS is the
+baseline and VmHWM is reset to it (writing 5 to /proc/self/clear_refs);
+the growth is VmHWM - baseline after the step, the larger of two steps
+(--quick: one).
+1F1B holds at most K - j micro-batches on stage j against GPipe's M.
+The last line is
+`BENCH dist memory schedule=1f1b peak_over_gpipe=<ratio>`: the largest over
+the ranks of (1f1b growth / gpipe growth).
 """
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -189,6 +210,110 @@ def worker(rank: int, port: int, names: list, quick: bool, path: str) -> None:
         dist.destroy_process_group()
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def status_bytes(field: str) -> int:
+    """A field of /proc/self/status ("VmRSS", "VmHWM") in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_high_water_mark() -> bool:
+    """VmHWM back to the current RSS; False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def memory_config(quick: bool) -> dict:
+    """Width, batch, micro-batches and measured steps of the memory section."""
+    return dict(hidden=256, batch=256, m=16, reps=1) if quick else \
+        dict(hidden=2048, batch=4096, m=16, reps=2)
+
+
+def memory_worker(rank: int, port: int, quick: bool, path: str) -> None:
+    """The memory section of the docstring, on one rank: its peak growth in MiB per schedule."""
+    # Before the first large allocation: tensors of 64 KiB or more are each
+    # their own mapping, returned to the kernel when freed.
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+    import torch.distributed as dist
+
+    import gpipe.distributed
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=K)
+    cfg = memory_config(quick)
+    growth = {}
+    try:
+        for schedule in ("gpipe", "1f1b"):
+            torch.manual_seed(0)
+            layers = []
+            for _ in range(2 * K):
+                layers += [nn.Linear(cfg["hidden"], cfg["hidden"]), nn.ReLU()]
+            model = nn.Sequential(*layers)
+            for name, p in model.named_parameters():
+                p.requires_grad_(name.endswith("bias"))
+            pipe = gpipe.distributed.Pipe(model, [len(model) // K] * K, chunks=cfg["m"],
+                                          checkpoint="never", schedule=schedule)
+            x = torch.randn(cfg["batch"], cfg["hidden"]) if pipe.is_first else None
+            target = torch.zeros(cfg["batch"], 1) if pipe.is_last else None
+
+            def step():
+                pipe.train_step(x, target=target, loss_fn=lambda out, y: out.sum())
+
+            step()  # warm-up: grads allocated, the transport knows last step's shapes
+            peaks = []
+            for _ in range(cfg["reps"]):
+                dist.barrier()
+                libc.malloc_trim(0)
+                baseline = status_bytes("VmRSS")
+                if not reset_high_water_mark():
+                    raise RuntimeError("cannot reset VmHWM (writing 5 to /proc/self/clear_refs "
+                                       "failed); this section needs it")
+                step()
+                peaks.append((status_bytes("VmHWM") - baseline) / 2**20)
+            growth[schedule] = max(peaks)
+            del pipe, model, x, target
+            dist.barrier()
+        gathered = [None] * K
+        dist.all_gather_object(gathered, growth)
+        if rank == 0:
+            with open(path, "w") as f:
+                json.dump(gathered, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def memory_section(quick: bool) -> None:
+    """The memory section of the docstring: per-rank growth, the BENCH line."""
+    cfg = memory_config(quick)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "memory.json")
+        mp.spawn(memory_worker, args=(peer.free_port(), quick, path), nprocs=K)
+        with open(path) as f:
+            ranks = json.load(f)
+    print(f"\nPeak RSS growth during one training step, MiB (8 x (Linear({cfg['hidden']}, "
+          f"{cfg['hidden']}) + ReLU), batch {cfg['batch']}, K = {K}, M = {cfg['m']}, "
+          f"checkpoint never, weight matrices frozen):")
+    print(f"{'rank':>4} {'gpipe MiB':>10} {'1f1b MiB':>9} {'1f1b/gpipe':>11}")
+    ratios = []
+    for rank, g in enumerate(ranks):
+        ratio = g["1f1b"] / g["gpipe"] if g["gpipe"] > 0 else float("nan")
+        ratios.append(ratio)
+        print(f"{rank:4d} {g['gpipe']:10.1f} {g['1f1b']:9.1f} {ratio:11.3f}")
+    print(f"BENCH dist memory schedule=1f1b peak_over_gpipe={max(ratios):.3f}")
+
+
 def ideal_ms(name: str, quick: bool) -> float:
     """(M + K - 1) x (F + B) of the nominal sleeps for sim (F = t, B = 2t per
     stage); nan for tiny, whose layers have no nominal time."""
@@ -198,14 +323,12 @@ def ideal_ms(name: str, quick: bool) -> float:
     return (cfg["m"] + K - 1) * 3 * cfg["t"] * 1e3
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny smoke configuration")
-    args = parser.parse_args()
+def time_section(quick: bool) -> None:
+    """The step times and hand-off figures of the docstring: the table, the BENCH lines."""
     names = ["sim", "tiny"]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
-        mp.spawn(worker, args=(peer.free_port(), names, args.quick, path), nprocs=K)
+        mp.spawn(worker, args=(peer.free_port(), names, quick, path), nprocs=K)
         with open(path) as f:
             results = json.load(f)
     print(f"{'model':6} {'schedule':9} {'gpipe ms':>9} {'pipelining ms':>14} {'theirs/ours':>12}"
@@ -228,7 +351,7 @@ def main() -> int:
           f" {'recv comm':>10} {'send':>6} {'gaps':>6} {'waited':>7} {'us/send':>8}")
     for key, r in results.items():
         name, schedule = key.split("/")
-        ideal = ideal_ms(name, args.quick)
+        ideal = ideal_ms(name, quick)
         print(f"{name:6} {schedule:9} {ideal:7.1f} {r['span_ms']:7.2f} {r['compute'] * 1e3:8.2f}"
               f" {r['bubble_ms']:7.2f} {r['recv_comm_ms']:10.2f} {r['send_ms']:6.2f}"
               f" {r['gap_ms']:6.2f} {r['waited']:7d} {r['send_us']:8.0f}")
@@ -236,6 +359,18 @@ def main() -> int:
             print(f"  ({r['unmatched']} receives without a matching send)")
     for line in lines:
         print(line)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke configuration")
+    parser.add_argument("--only", choices=["time", "memory"],
+                        help="run one section (default: both)")
+    args = parser.parse_args()
+    if args.only != "memory":
+        time_section(args.quick)
+    if args.only != "time":
+        memory_section(args.quick)
     return 0
 
 
