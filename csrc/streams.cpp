@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/is_pinned.h>
 
 #include <algorithm>
 #include <optional>

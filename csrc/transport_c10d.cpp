@@ -4,6 +4,7 @@
 #include "check.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/pin_memory.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -521,6 +522,14 @@ void ProcessGroupTransport::send_tensor(at::Tensor t, int dst, int tag, std::vec
   if (gloo_) {
     // Gloo reads the tensor's memory on the host.
     if (!t.device().is_cpu()) t = t.cpu();
+  } else if (t.device().is_cpu() && !device_.is_cpu()) {
+    // Built on the host (a header, its rest): staged through pinned memory
+    // and copied without blocking, on the current stream, which the
+    // backend orders the send after. A pageable .to(device) would wait for
+    // that stream, and so for the stage's queued compute, before the worker
+    // could go on. The caching host allocator keeps the pinned block until
+    // the copy has run, whenever the staging tensor is freed.
+    t = t.pin_memory().to(device_, /*non_blocking=*/true);
   } else if (t.device() != device_) {
     t = t.to(device_);
   }
