@@ -43,7 +43,8 @@ if [[ -n "$(find tests/python -name 'test_*.py' -o -name '*_test.py' 2>/dev/null
   if "$gpipe_python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
     2>/dev/null; then
     "$gpipe_python" -m pytest tests/python/test_cuda.py \
-      "tests/python/test_distributed.py::test_stages_on_the_gpu" -q -rs || status=1
+      "tests/python/test_distributed.py::test_stages_on_the_gpu" \
+      "tests/python/test_distributed.py::test_stages_on_several_gpus_over_nccl" -q -rs || status=1
   fi
 fi
 
