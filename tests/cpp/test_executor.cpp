@@ -176,8 +176,9 @@ TEST_CASE("the deadlock rule: stages on the thread's device, or whose graphs rea
   const c10::Device cpu(c10::kCPU), gpu0(c10::kCUDA, 0), gpu1(c10::kCUDA, 1);
   // CPU -> cuda:0 -> cuda:1 -> cuda:0, PipeBackward on cuda:0's engine thread.
   const std::vector<c10::Device> stages{cpu, gpu0, gpu1, gpu0};
-  CHECK(stages_inline_on(0, stages, {{}, {}, {}, {}}) == std::vector<bool>{false, true, false, true});
-  CHECK(stages_inline_on(1, stages, {{}, {}, {}, {}}) == std::vector<bool>{false, false, true, false});
+  const std::vector<std::vector<c10::Device>> none(4);
+  CHECK(stages_inline_on(0, stages, none) == std::vector<bool>{false, true, false, true});
+  CHECK(stages_inline_on(1, stages, none) == std::vector<bool>{false, false, true, false});
   // The CPU stage closes over a tensor on cuda:0, the cuda:1 stage moved a
   // buffer to cuda:1 only: the first joins cuda:0's thread, the second
   // needs none but its own.
