@@ -1,6 +1,8 @@
 // graph.cpp — telling a cell's own autograd nodes from the rest, and collecting the edges between them.
 #include "graph.h"
 
+#include "streams.h"
+
 #include <ATen/SequenceNumber.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -72,13 +74,12 @@ void accumulate_into(torch::autograd::AccumulateGrad& accumulator, GradSlot& slo
   torch::autograd::AccumulateGrad::accumulateGrad(
       accumulator.variable, sum, grad, /*num_expected_refs=*/1,
       [&sum](at::Tensor&& update) { sum = std::move(update); });
-  if (before.defined() && !before.is_same(sum) && !before.device().is_cpu()) {
+  if (before.defined() && !before.is_same(sum)) {
     // Replaced out of place: the old .grad, made on another writer's
     // stream, is freed when `before` goes, while the add reading it may
     // still be queued here; the allocator must not hand its block to that
     // other stream before then.
-    c10::impl::VirtualGuardImpl impl(before.device().type());
-    impl.recordDataPtrOnStream(before.storage().data_ptr(), impl.getStream(before.device()));
+    record_on_current_streams({before});
   }
   slot.wrote(grad.device());
 }

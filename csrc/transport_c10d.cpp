@@ -515,7 +515,7 @@ at::Tensor ProcessGroupTransport::landed(at::Tensor t) const {
 }
 
 at::Tensor ProcessGroupTransport::wire_tensor(int64_t ints) const {
-  return at::empty({ints}, at::TensorOptions().dtype(at::kLong).device(gloo_ ? c10::kCPU : device_));
+  return at::empty({ints}, at::TensorOptions().dtype(at::kLong).device(wire_device()));
 }
 
 void ProcessGroupTransport::send_tensor(at::Tensor t, int dst, int tag, std::vector<Pending>& out) {

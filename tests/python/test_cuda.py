@@ -470,16 +470,22 @@ def test_skip_from_a_cpu_stage_to_a_cuda_stage(checkpoint: str) -> None:
 
 # -- issue 23: what a careful reading found, by construction ----------------------------
 
+def tied_mlp(width: int) -> nn.Sequential:
+    """7 layers (float64) whose first and last Linear share one weight: with balance
+    [2, 2, 2, 1], a weight tied between stages 0 and 3."""
+    first, last = nn.Linear(width, width), nn.Linear(width, width)
+    last.weight = first.weight
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                         nn.Linear(width, width), nn.Tanh(), last).double()
+
+
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_a_weight_tied_between_stages_0_and_3_gets_every_grad(checkpoint):
     """Stages 0 and 3 on cuda:0 share a weight: each adds its grads into the one .grad on
     its own stream, 32 micro-batches, no synchronisation. The writers are ordered by the
     slot's last-writer event (graph.h), so no update is lost: the sum is the plain model's."""
     torch.manual_seed(3)
-    first, last = nn.Linear(128, 128), nn.Linear(128, 128)
-    last.weight = first.weight
-    model = nn.Sequential(first, nn.Tanh(), nn.Linear(128, 128), nn.Tanh(),
-                          nn.Linear(128, 128), nn.Tanh(), last).double()
+    model = tied_mlp(128)
     ref = copy.deepcopy(model).to(GPU)
     pipe = gpipe.Pipe(model, balance=[2, 2, 2, 1], devices=[GPU] * 4, chunks=32,
                       checkpoint=checkpoint)
@@ -501,10 +507,7 @@ def test_train_step_on_one_gpu_with_a_tied_weight(schedule):
     """In-process train_step over 4 stages on cuda:0, a weight tied between stages 0 and 3:
     loss and grads equal the plain model's (zb_h1 writes weight grads in W tasks, late)."""
     torch.manual_seed(4)
-    first, last = nn.Linear(64, 64), nn.Linear(64, 64)
-    last.weight = first.weight
-    model = nn.Sequential(first, nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
-                          nn.Linear(64, 64), nn.Tanh(), last).double()
+    model = tied_mlp(64)
     ref = copy.deepcopy(model).to(GPU)
     pipe = gpipe.Pipe(model, balance=[2, 2, 2, 1], devices=[GPU] * 4, chunks=8,
                       schedule=schedule)
