@@ -5,7 +5,10 @@
 #include <c10/util/StringUtil.h>
 
 #include <cstdint>
+#include <optional>
+#include <sstream>
 #include <string>
+#include <vector>
 
 // TORCH_CHECK's c10::Error carries the source location and a C++ backtrace
 // in what(): right for a bug inside torch, a wall of frames for a user who
@@ -42,6 +45,34 @@ namespace gpipe::detail {
 
 /// "1 layer", "2 layers", "0 layers": a count with its noun, for messages.
 std::string count(int64_t n, const char* noun);
+
+namespace listing {
+template <typename T>
+void put(std::ostream& out, const T& value) {
+  out << value;
+}
+template <typename T>
+void put(std::ostream& out, const std::optional<T>& value) {
+  if (value) {
+    out << *value;
+  } else {
+    out << "None";
+  }
+}
+}  // namespace listing
+
+/// "[2, 3, 2]": values as a list, for messages (an empty optional reads None).
+template <typename T>
+std::string listed(const std::vector<T>& values) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t k = 0; k < values.size(); ++k) {
+    out << (k ? ", " : "");
+    listing::put(out, values[k]);
+  }
+  out << "]";
+  return out.str();
+}
 
 /// A class name without its namespaces ("Down" for "unet::(anonymous
 /// namespace)::Down"), for messages.

@@ -70,6 +70,38 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
       detail::plan_kind(options_.schedule()),
       detail::Groups{group, options_.reverse_group(), options_.dp_group()});
   engine_->set_skip_routes(std::move(skips.routes));
+  engine_->set_batch_dims(options_.batch_dim(), options_.output_batch_dim());
+
+  // What every rank must share, compared once; then the tied parameters.
+  detail::LayerParameters parameters;
+  std::vector<std::string> names;
+  std::vector<std::string> types;
+  std::vector<int64_t> rank_of_layer;
+  for (int64_t s = 0; s < stages; ++s) {
+    for (int64_t k = starts[s]; k < starts[s] + balance[s]; ++k) {
+      const auto& child = children[static_cast<size_t>(k)];
+      std::vector<std::pair<std::string, at::Tensor>> own;
+      for (const auto& p : child.value()->named_parameters()) own.emplace_back(p.key(), p.value());
+      parameters.push_back(std::move(own));
+      names.push_back(child.key());
+      types.push_back(detail::short_name(child.value()->name()));
+      rank_of_layer.push_back(s % ranks);
+    }
+  }
+  auto ties = detail::find_ties(parameters, names, rank_of_layer, rank_);
+  std::vector<detail::Setting> settings{
+      {"balance", detail::listed(balance)},
+      {"chunks", std::to_string(options_.chunks())},
+      {"schedule", to_string(options_.schedule())},
+      {"virtual_stages", std::to_string(v)},
+      {"checkpoint", to_string(options_.checkpoint())},
+      {"batch_dim", detail::listed(options_.batch_dim())},
+      {"output_batch_dim", detail::listed(options_.output_batch_dim())},
+      detail::ties_setting(ties)};
+  auto layers = detail::parameter_settings(parameters, types);
+  settings.insert(settings.end(), layers.begin(), layers.end());
+  engine_->check_agreement(settings, "DistributedPipe");
+  engine_->set_ties(std::move(ties));
   if (options_.dp_group()) {
     GPIPE_CHECK_VALUE(options_.bucket_cap_mb() > 0, "bucket_cap_mb must be positive, got ",
                       options_.bucket_cap_mb(), "; the default is 25");

@@ -5,6 +5,7 @@
 #include "graph.h"
 #include "microbatch.h"
 #include "plan.h"
+#include "ranks.h"
 #include "reduce.h"
 #include "stage.h"
 #include "trace.h"
@@ -229,6 +230,15 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// arguments in the bindings). Nothing in-process.
   void abandon_step(const std::string& what, bool training_step);
 
+  /// Over a process group: throws a ValueError on every rank where the
+  /// ranks' `settings` differ (ranks.h); `what` names the pipe. Every rank
+  /// calls it, before the first step.
+  void check_agreement(const std::vector<Setting>& settings, const std::string& what);
+  /// Over a process group: this rank's part in the parameters tied across
+  /// ranks (ranks.h). Makes the replicas equal now (every rank calls it),
+  /// and sums their grads at the end of every train_step.
+  void set_ties(std::vector<Tie> ties);
+
   /// The plan train_step runs for `microbatches` micro-batches (validated).
   const Plan& plan(int64_t microbatches);
   PlanKind plan_kind() const noexcept { return plan_kind_; }
@@ -326,6 +336,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   c10::intrusive_ptr<c10d::ProcessGroup> data_group_;
   /// Averages the grads over data_group_ (of more than one rank); else null.
   std::unique_ptr<GradReducer> reducer_;
+  /// Parameters shared with other ranks (after transport_: uses its group).
+  std::unique_ptr<TiedParameters> ties_;
   /// Set by a failed step over a group: later ones are refused.
   std::string failed_;
   std::vector<int> intra_op_threads_;  // before executor_: it starts the workers with these

@@ -134,14 +134,6 @@ std::vector<int64_t> rows_of(const Scattered& scattered) {
   return {};
 }
 
-std::string listed(const std::vector<int64_t>& values) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t k = 0; k < values.size(); ++k) out << (k ? ", " : "") << values[k];
-  out << "]";
-  return out.str();
-}
-
 // The first line of an error (a Python error's what() goes on with its
 // traceback): what the other ranks are told.
 std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
@@ -187,7 +179,17 @@ at::Tensor Engine::train_step(const Batch& input, const Batch& target, const Los
     fail_before_step(what, /*training_step=*/true);
     throw_value_error(what);
   }
-  return step(input, target, &loss_fn, training, nullptr);
+  at::Tensor loss = step(input, target, &loss_fn, training, nullptr);
+  if (ties_) {
+    // Every rank got here: the step ran through on all of them.
+    try {
+      ties_->reduce_grads();
+    } catch (const std::exception& e) {
+      failed_ = first_line(e.what());
+      throw;
+    }
+  }
+  return loss;
 }
 
 Batch Engine::eval_step(const Batch& input) {
@@ -202,6 +204,20 @@ Batch Engine::eval_step(const Batch& input) {
   // done, wherever the caller frees them.
   for (const auto& part : outputs) record_on_current_streams(part.values);
   return gather(outputs, output_dims_);
+}
+
+void Engine::check_agreement(const std::vector<Setting>& settings, const std::string& what) {
+  Call call(*this, "check_agreement");
+  if (!transport_) return;
+  detail::check_agreement(transport_->group(), transport_->wire_device(), settings, what);
+}
+
+void Engine::set_ties(std::vector<Tie> ties) {
+  Call call(*this, "set_ties");
+  if (!transport_ || ties.empty()) return;
+  ties_ = std::make_unique<TiedParameters>(std::move(ties), transport_->group(),
+                                           transport_->wire_device());
+  ties_->broadcast();
 }
 
 void Engine::abandon_step(const std::string& what, bool training_step) {

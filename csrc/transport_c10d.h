@@ -124,6 +124,10 @@ class ProcessGroupTransport final : public Transport {
   ProcessGroupTransport& operator=(const ProcessGroupTransport&) = delete;
 
   int rank() const noexcept { return rank_; }
+  /// The pipeline's group (hand-offs to higher ranks).
+  c10d::ProcessGroup& group() const noexcept { return *group_; }
+  /// Where the backend moves values: the device, or the host over Gloo.
+  c10::Device wire_device() const;
   /// Whether hand-offs match by order (NCCL) rather than by tag (Gloo).
   bool ordered() const noexcept { return ordered_; }
   int ranks() const noexcept { return size_; }
@@ -222,8 +226,6 @@ class ProcessGroupTransport final : public Transport {
   /// Sends `t` (moved to where the backend reads it) to `dst`; kept in sent_works_.
   void send_tensor(at::Tensor t, int dst, int tag, std::vector<Pending>& out);
   at::Tensor wire_tensor(int64_t ints) const;
-  /// Where the backend moves values: device_, or the host over Gloo.
-  c10::Device wire_device() const;
   /// A received value on device_ (copied there from the host over Gloo).
   at::Tensor landed(at::Tensor t) const;
 

@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <tuple>
 
@@ -173,7 +174,19 @@ class PyEngine {
                         ("loss_fn must return a tensor (the micro-batch's loss), got " + type).c_str());
         throw py::error_already_set();
       }
-      return THPVariable_Unpack(loss.ptr());
+      at::Tensor value = THPVariable_Unpack(loss.ptr());
+      if (value.numel() != 1) {
+        // The engine checks this too; here the example is Python's.
+        std::ostringstream shape;
+        shape << value.sizes();
+        PyErr_SetString(PyExc_ValueError,
+                        ("loss_fn returned a tensor of shape " + shape.str() +
+                         "; it must return the micro-batch's loss as one number, mean-reduced "
+                         "over its rows (e.g. torch.nn.functional.mse_loss(output, target))")
+                            .c_str());
+        throw py::error_already_set();
+      }
+      return value;
     };
     at::Tensor loss;
     {
@@ -211,6 +224,36 @@ class PyEngine {
 
   void abandon_step(const std::string& what, bool training_step) {
     engine_->abandon_step(what, training_step);
+  }
+
+  void check_agreement(const std::vector<std::pair<std::string, std::string>>& settings,
+                       const std::string& what) {
+    std::vector<detail::Setting> own;
+    for (const auto& [name, value] : settings) own.push_back({name, value});
+    engine_->check_agreement(own, what);
+  }
+
+  // One tie per entry: (uses, owners, tensor, here, group). `tensor` is the
+  // parameter in this rank's whole model (its replica where `here`);
+  // `group`: the owners' group's name ("" on other ranks).
+  using PyTie = std::tuple<std::vector<std::string>, std::vector<int64_t>, at::Tensor, bool,
+                           std::string>;
+  void set_ties(const std::vector<PyTie>& ties) {
+    std::vector<detail::Tie> own;
+    for (const auto& [uses, owners, tensor, here, group] : ties) {
+      detail::Tie tie;
+      tie.uses = uses;
+      tie.owners = owners;
+      if (here) tie.replica = tensor;
+      tie.sizes = tensor.sizes().vec();
+      tie.dtype = tensor.scalar_type();
+      tie.requires_grad = tensor.requires_grad();
+      // Python makes each tie's owners a group of their own.
+      tie.owners_only = true;
+      if (here) tie.group = c10d::resolve_process_group(group);
+      own.push_back(std::move(tie));
+    }
+    engine_->set_ties(std::move(own));
   }
 
   void set_bucket_cap(int64_t bytes) { engine_->set_bucket_cap(bytes); }
@@ -288,6 +331,15 @@ batch's loss, detached (None on a rank without the last stage).)doc")
           py::arg("what"), py::arg("training_step"), py::call_guard<py::gil_scoped_release>(),
           R"doc(Over a process group: fails the step this rank was about to run (an error found
 before it, in Python), so the other ranks fail too, naming this rank and `what`.)doc")
+      .def("check_agreement", &PyEngine::check_agreement, py::arg("settings"), py::arg("what"),
+           py::call_guard<py::gil_scoped_release>(),
+           R"doc(Over a process group: every rank's (name, value) settings compared (two
+all_reduces); a ValueError on every rank naming each setting the ranks disagree on.)doc")
+      .def("set_ties", &PyEngine::set_ties, py::arg("ties"),
+           py::call_guard<py::gil_scoped_release>(),
+           R"doc(Over a process group: the parameters this rank shares with others, as (uses,
+owners, tensor, here, group name) tuples; replicas are set to the lowest owner's now, and their
+grads summed over the owners after every train_step.)doc")
       .def("eval_step", &PyEngine::eval_step, py::arg("input"),
            R"doc(Pipelined inference over the group's ranks (no grad): the gathered output on
 the rank of the last stage, None elsewhere.)doc")

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace gpipe {
@@ -58,13 +59,34 @@ struct DistributedPipeOptions {
   TORCH_ARG(double, bucket_cap_mb) = 25;
   /// Where this rank's stages run.
   TORCH_ARG(c10::Device, device) = c10::kCPU;
+  /// Where the batch dimension lies in each input value, as
+  /// `PipeOptions::batch_dim` (dim 0 by default; `std::nullopt`: a value
+  /// every micro-batch gets whole). The target is cut along dim 0.
+  TORCH_ARG(std::vector<std::optional<int64_t>>, batch_dim) = {0};
+  /// One batch dim for every input value: `batch_dim(1)`.
+  DistributedPipeOptions& batch_dim(int64_t dim) {
+    return batch_dim(std::vector<std::optional<int64_t>>{dim});
+  }
+  /// Where the micro-batches' outputs are joined (eval_step), as
+  /// `PipeOptions::output_batch_dim`.
+  TORCH_ARG(std::vector<std::optional<int64_t>>, output_batch_dim) = {};
+  /// One output batch dim for every output value.
+  DistributedPipeOptions& output_batch_dim(int64_t dim) {
+    return output_batch_dim(std::vector<std::optional<int64_t>>{dim});
+  }
 };
 
 /// Runs a `torch::nn::Sequential` as a pipeline whose stages live on the
 /// ranks of a process group, one step at a time over every rank (the same
 /// engine and plans as `Pipe::train_step`; hand-offs by c10d isend/irecv).
 /// Rank r keeps the layers of its stages, under the Sequential's names, and
-/// drops the others. Stages run as `Pipe`'s do: tuples between stages, and
+/// drops the others. At construction the ranks compare their options and
+/// their models' layers and parameters (every rank throws, naming what
+/// differs), and a parameter used by layers on several ranks (tied weights)
+/// gets a replica on each of them: the replicas start as the lowest such
+/// rank's, and after every `train_step` each replica's grad is the sum over
+/// all uses (an all_reduce over `group` in which the other ranks add zeros),
+/// so that replicas stay equal. Stages run as `Pipe`'s do: tuples between stages, and
 /// `gpipe::Skippable` layers with skips across ranks.
 ///
 /// Example:

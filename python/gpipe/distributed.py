@@ -1,13 +1,13 @@
 """The pipeline over processes: one rank per stage (or per v stages) of an nn.Sequential, over torch.distributed."""
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe import _C
-from gpipe.pipe import (_as_int, _check_balance, _check_input, _parse_balance, _parse_checkpoint,
-                        _parse_chunks, _parse_schedule)
+from gpipe.pipe import (BatchDim, _as_int, _batch_dims, _check_balance, _check_input,
+                        _parse_balance, _parse_checkpoint, _parse_chunks, _parse_schedule)
 from gpipe.skip.layout import stage_runners
 from gpipe.skip.skippable import verify_skippables
 
@@ -33,6 +33,34 @@ def _reverse_group(group: Any) -> Any:
         return None
     return dist.new_group(dist.get_process_group_ranks(group), backend="nccl",
                           use_local_synchronization=True)
+
+
+def _find_ties(module: nn.Sequential, rank_of_layer: List[int]
+                ) -> List[Tuple[List[str], List[int], Tensor]]:
+    """The parameters that layers on two or more ranks share (tied weights), found by
+    identity in the whole model every rank builds: (uses, owner ranks, parameter), in the
+    order of their first use."""
+    uses: Dict[int, Tuple[List[str], List[int], Tensor]] = {}
+    for (name, layer), rank in zip(module.named_children(), rank_of_layer):
+        for sub, p in layer.named_parameters(remove_duplicate=False):
+            names, ranks, _ = uses.setdefault(id(p), ([], [], p))
+            if f"{name}.{sub}" not in names:
+                names.append(f"{name}.{sub}")
+            if rank not in ranks:
+                ranks.append(rank)
+    return [(names, sorted(ranks), p) for names, ranks, p in uses.values() if len(ranks) > 1]
+
+
+def _layer_settings(module: nn.Sequential) -> List[Tuple[str, str]]:
+    """Each layer's class and parameters (names, shapes, dtypes), for the ranks to compare."""
+    settings = []
+    for k, layer in enumerate(module):
+        params = [f"{n} {list(p.shape)} {str(p.dtype).replace('torch.', '')}"
+                  + ("" if p.requires_grad else " frozen")
+                  for n, p in layer.named_parameters(remove_duplicate=False)]
+        settings.append((f"layer {k}", type(layer).__name__ + (": " + ", ".join(params)
+                                                              if params else "")))
+    return settings
 
 
 class Pipe(nn.Module):
@@ -73,6 +101,28 @@ class Pipe(nn.Module):
             the host. Over NCCL the pipe makes a second group of the same
             ranks for hand-offs to lower ranks (every rank of ``group``
             builds its pipe, so they make it together).
+        batch_dim: where the batch dimension lies in each input value, as in
+            :class:`gpipe.Pipe` (an int for every value, or one entry per
+            value, None for a value every micro-batch gets whole, such as
+            position ids). The target is cut along dim 0.
+        output_batch_dim: where :meth:`eval_step` joins the outputs, as in
+            :class:`gpipe.Pipe`.
+
+    At construction the ranks compare their settings (balance, chunks,
+    schedule, virtual stages, checkpoint, batch dims) and every layer's
+    class and parameter names, shapes and dtypes, with one small exchange
+    over ``group``; where any rank differs, every rank raises a ValueError
+    naming each setting and each rank's value.
+
+    Tied weights: a Parameter that layers on several ranks share (a GPT's
+    token embedding and its lm_head, ``head.weight = emb.weight``) is found
+    by identity, as Megatron-LM ties its embeddings: each rank holding a use
+    (an owner) keeps a replica, the replicas start as the lowest owner's,
+    and after every :meth:`train_step` each replica's ``.grad`` is the sum
+    of every use's grad (the plain model's grad), summed over a group of the
+    owners that the pipe makes (``new_group``, once). Any deterministic
+    optimizer then keeps the replicas equal. With ``dp_group`` the sum runs
+    after the data-parallel averaging (both are sums: the same result).
 
     Attributes:
         rank: this rank's index in ``group``.
@@ -94,7 +144,8 @@ class Pipe(nn.Module):
                  schedule: str = "1f1b", checkpoint: str = "except_last",
                  virtual_stages: int = 1, group: Optional[Any] = None,
                  dp_group: Optional[Any] = None, device: Optional[Any] = None,
-                 bucket_cap_mb: float = 25) -> None:
+                 bucket_cap_mb: float = 25, batch_dim: BatchDim = 0,
+                 output_batch_dim: Optional[BatchDim] = None) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("gpipe.distributed.Pipe needs an initialised process group; call "
@@ -103,6 +154,11 @@ class Pipe(nn.Module):
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"module must be nn.Sequential to be partitioned, got "
                             f"{type(module).__name__}")
+        input_dims = _batch_dims(batch_dim, "batch_dim")
+        output_dims = ([] if output_batch_dim is None
+                       else _batch_dims(output_batch_dim, "output_batch_dim"))
+        self.batch_dim = batch_dim
+        self.output_batch_dim = output_batch_dim
         self.chunks = _parse_chunks(chunks)
         self.schedule = _parse_schedule(schedule)
         self.checkpoint = _parse_checkpoint(checkpoint)
@@ -161,6 +217,37 @@ class Pipe(nn.Module):
                                                 if self._reverse_group is not None else ""),
                                  dp_group=dp_group.group_name if dp_group is not None else "")
         self._engine.set_bucket_cap(max(1, int(bucket_cap_mb * 2**20)))
+        self._engine.set_batch_dims(input_dims, output_dims)
+
+        # What every rank must share, compared before anything else travels;
+        # then the parameters tied across ranks.
+        rank_of_layer = [s % ranks for s in range(stages) for _ in range(balance[s])]
+        ties = _find_ties(module, rank_of_layer)
+        settings = [("balance", str(balance)), ("chunks", str(self.chunks)),
+                    ("schedule", self.schedule), ("virtual_stages", str(self.virtual_stages)),
+                    ("checkpoint", self.checkpoint), ("batch_dim", str(input_dims)),
+                    ("output_batch_dim", str(output_dims)),
+                    ("tied parameters", "; ".join(" = ".join(uses) for uses, _, _ in ties)
+                     or "none")]
+        self._engine.check_agreement(settings + _layer_settings(module),
+                                     "gpipe.distributed.Pipe")
+        self._tie_groups: Dict[Tuple[int, ...], Any] = {}
+        entries = []
+        for uses, owners, param in ties:
+            here = self.rank in owners
+            name = ""
+            if here:
+                key = tuple(owners)
+                if key not in self._tie_groups:
+                    # Only the owners take part (every owner makes its ties' groups in
+                    # the same order).
+                    self._tie_groups[key] = dist.new_group(
+                        [dist.get_global_rank(self.group, r) for r in owners],
+                        backend=dist.get_backend(self.group), use_local_synchronization=True)
+                name = self._tie_groups[key].group_name
+            entries.append((uses, owners, param, here, name))
+        self._engine.set_ties(entries)
+        self.tied_parameters = [(uses, owners) for uses, owners, _ in ties]
 
     def _check_step(self, input: Optional[TensorOrTensors], what: str) -> None:
         if self.is_first:

@@ -68,6 +68,9 @@ def _count(n: int, noun: str) -> str:
 
 
 def _parse_chunks(chunks: Any) -> int:
+    # As torchgpipe: an integral float (chunks=42.0) is that many; 2.7 is refused.
+    if isinstance(chunks, float) and chunks.is_integer():
+        chunks = int(chunks)
     chunks = _as_int(chunks, "chunks", "pass the number of micro-batches per mini-batch, "
                      "e.g. chunks=4")
     if chunks <= 0:
