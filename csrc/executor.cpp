@@ -147,6 +147,10 @@ void Executor::perform(Run& run, int64_t stage, const Action& action) {
       run.mail.send({next, Run::flow(action.phase), i}, std::move(out));
     }
   } catch (...) {
+    // Stop the other stages before describing the error, which can take
+    // long (a Python error's message formats its traceback under the GIL):
+    // no stage starts a cell once one failed.
+    run.mail.cancel();
     run.fail(std::make_exception_ptr(CellError(stage, i, phase, std::current_exception())));
   }
 }
@@ -287,6 +291,7 @@ void Executor::run_plan(const Plan& plan, const TaskFn& task, Transport& transpo
         InCell in_cell(t.stage);
         task(t, phase);
       } catch (...) {
+        transport.cancel();  // first, as in perform
         {
           std::lock_guard<std::mutex> hold(error_mutex);
           if (!error) {
@@ -294,7 +299,6 @@ void Executor::run_plan(const Plan& plan, const TaskFn& task, Transport& transpo
                 CellError(t.stage, t.microbatch, phase, std::current_exception()));
           }
         }
-        transport.cancel();
         break;
       }
     }
