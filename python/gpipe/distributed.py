@@ -130,6 +130,8 @@ class Pipe(nn.Module):
         is_first: whether this rank owns stage 0 (it takes the input).
         is_last: whether this rank owns the last stage (it takes the target
             and gets the loss and outputs).
+        tied_parameters: the Parameters shared across ranks, as (uses,
+            owner ranks), e.g. ``[(['0.tok.weight', '7.out.weight'], [0, 3])]``.
 
     Example::
 
