@@ -75,7 +75,6 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
   // What every rank must share, compared once; then the tied parameters.
   detail::LayerParameters parameters;
   std::vector<std::string> names;
-  std::vector<std::string> types;
   std::vector<int64_t> rank_of_layer;
   for (int64_t s = 0; s < stages; ++s) {
     for (int64_t k = starts[s]; k < starts[s] + balance[s]; ++k) {
@@ -84,7 +83,6 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
       for (const auto& p : child.value()->named_parameters()) own.emplace_back(p.key(), p.value());
       parameters.push_back(std::move(own));
       names.push_back(child.key());
-      types.push_back(detail::short_name(child.value()->name()));
       rank_of_layer.push_back(s % ranks);
     }
   }
@@ -98,7 +96,7 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
       {"batch_dim", detail::listed(options_.batch_dim())},
       {"output_batch_dim", detail::listed(options_.output_batch_dim())},
       detail::ties_setting(ties)};
-  auto layers = detail::parameter_settings(parameters, types);
+  auto layers = detail::parameter_settings(parameters);
   settings.insert(settings.end(), layers.begin(), layers.end());
   engine_->check_agreement(settings, "DistributedPipe");
   engine_->set_ties(std::move(ties));

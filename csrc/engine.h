@@ -211,9 +211,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// Over a process group every rank calls it: `input` matters on the rank
   /// of stage 0 only, `target` on the last stage's only (empty batches
   /// elsewhere), every rank runs `chunks` micro-batches, and the loss comes
-  /// back on the last stage's rank (undefined elsewhere). A failure on any
-  /// rank fails the step on every rank, naming the rank where it started;
-  /// later steps are refused (the group's point-to-point state is lost).
+  /// back on the last stage's rank (undefined elsewhere). Bad arguments on
+  /// any rank throw on every rank before anything is sent (start_step), and
+  /// later steps run. A failure during the step fails it on every rank,
+  /// naming the rank where it started; later steps are refused (the group's
+  /// point-to-point state is lost).
   at::Tensor train_step(const Batch& input, const Batch& target, const LossFn& loss_fn,
                         bool training);
 
@@ -223,11 +225,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// last stage's rank, an empty batch elsewhere.
   Batch eval_step(const Batch& input);
 
-  /// Over a process group: fails the step this rank was about to run
-  /// (`training_step`: a train_step, else an eval_step) before it starts,
-  /// so that the other ranks, already in it, fail too (naming this rank and
-  /// `what`) instead of waiting. For errors found before the step (bad
-  /// arguments in the bindings). Nothing in-process.
+  /// Over a process group: takes part in the start of the step this rank
+  /// was about to run (`training_step`: a train_step, else an eval_step)
+  /// with error `what`, so that the other ranks, already in it, stop too
+  /// (naming this rank and `what`) before anything is sent; the caller then
+  /// raises its own error. For errors found before the step (bad arguments
+  /// in the bindings). Nothing in-process.
   void abandon_step(const std::string& what, bool training_step);
 
   /// Over a process group: throws a ValueError on every rank where the
@@ -277,6 +280,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   using ErrorHook = std::function<void(const CellError&)>;
   void set_error_hook(ErrorHook hook) { error_hook_ = std::move(hook); }
 
+  /// A loss_fn call named in errors (the frontend's language: Python's
+  /// bindings set `torch.nn.functional.mse_loss(output, target)`).
+  void set_loss_example(std::string example) { loss_example_ = std::move(example); }
+
   /// With a data group: the most bytes in one bucket of grads averaged
   /// together (see reduce.h; default 25 MiB). Set between steps.
   void set_bucket_cap(int64_t bytes);
@@ -303,8 +310,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
                   std::vector<Batch>* outputs);
   /// The index (of all_stages()) of each of stages_.
   std::vector<int64_t> stage_indices() const;
-  /// abandon_step, for a caller already holding the Call.
-  void fail_before_step(const std::string& what, bool training_step);
+  /// Over a group, before a step's first hand-off: every rank's argument
+  /// error and rows exchanged (ranks.h's exchange_step_start, and a flag
+  /// over the data group for a training step). This rank rethrows `own`
+  /// where its own arguments were bad (returns where `own` is null); the
+  /// others throw a ValueError naming the rank; rows that differ between
+  /// the input and the target throw on every rank. Nothing was sent, so the
+  /// pipe works on.
+  void start_step(const StepStart& mine, const std::exception_ptr& own, bool training_step);
   /// Whether this engine runs stage `stage` (of all_stages()).
   bool holds(int64_t stage) const noexcept {
     return !transport_ || transport_->owner(stage) == transport_->rank();
@@ -354,6 +367,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::optional<Plan> plan_;
   Skips skips_;
   ErrorHook error_hook_;
+  std::string loss_example_ = "torch::mse_loss(output, target)";
   Tracer tracer_;
 };
 

@@ -48,6 +48,7 @@ std::vector<Setting> decode(const std::string& text) {
 std::vector<std::string> gather(c10d::ProcessGroup& group, c10::Device device,
                                 const std::string& mine) {
   const int64_t ranks = group.getSize();
+  if (ranks == 1) return {mine};  // (a group of one may have no backend)
   const int64_t rank = group.getRank();
   const auto cpu = at::TensorOptions().dtype(at::kInt);
   auto all_reduce = [&](const at::Tensor& host) {
@@ -90,6 +91,44 @@ std::string shortened(const std::string& value) {
 }
 
 }  // namespace
+
+std::vector<StepStart> exchange_step_start(c10d::ProcessGroup& group, c10::Device device,
+                                           const StepStart& mine, int64_t chunks) {
+  // Row r: error flag, then the input's count and rows, then the target's.
+  const int64_t ranks = group.getSize();
+  const int64_t width = 3 + 2 * chunks;
+  at::Tensor table = at::zeros({ranks, width}, at::TensorOptions().dtype(at::kLong));
+  int64_t* row = table.data_ptr<int64_t>() + group.getRank() * width;
+  row[0] = mine.error.empty() ? 0 : 1;
+  auto put = [&](int64_t at, const std::vector<int64_t>& rows) {
+    const auto n = std::min<int64_t>(static_cast<int64_t>(rows.size()), chunks);
+    row[at] = n;
+    for (int64_t k = 0; k < n; ++k) row[at + 1 + k] = rows[static_cast<size_t>(k)];
+  };
+  put(1, mine.input_rows);
+  put(2 + chunks, mine.target_rows);
+  if (ranks > 1) {
+    std::vector<at::Tensor> tensors{table.to(device)};
+    group.allreduce(tensors)->wait();
+    table = tensors[0].to(at::kCPU);
+  }
+  std::vector<StepStart> all(static_cast<size_t>(ranks));
+  bool any_error = false;
+  for (int64_t r = 0; r < ranks; ++r) {
+    const int64_t* cells = table.data_ptr<int64_t>() + r * width;
+    auto rows = [&](int64_t at) {
+      return std::vector<int64_t>(cells + at + 1, cells + at + 1 + cells[at]);
+    };
+    all[static_cast<size_t>(r)].input_rows = rows(1);
+    all[static_cast<size_t>(r)].target_rows = rows(2 + chunks);
+    any_error |= cells[0] != 0;
+  }
+  if (any_error) {
+    const auto texts = gather(group, device, mine.error);
+    for (size_t r = 0; r < all.size(); ++r) all[r].error = texts[r];
+  }
+  return all;
+}
 
 void check_agreement(c10d::ProcessGroup& group, c10::Device device,
                      const std::vector<Setting>& settings, const std::string& what) {
@@ -141,15 +180,14 @@ void check_agreement(c10d::ProcessGroup& group, c10::Device device,
   throw_value_error(message);
 }
 
-std::vector<Setting> parameter_settings(const LayerParameters& layers,
-                                        const std::vector<std::string>& types) {
+std::vector<Setting> parameter_settings(const LayerParameters& layers) {
   std::vector<Setting> settings;
   for (size_t k = 0; k < layers.size(); ++k) {
     std::ostringstream value;
-    value << (k < types.size() ? types[k] : std::string());
+    if (layers[k].empty()) value << "none";
     for (size_t p = 0; p < layers[k].size(); ++p) {
       const auto& [name, t] = layers[k][p];
-      value << (p == 0 ? ": " : ", ") << name;
+      value << (p == 0 ? "" : ", ") << name;
       if (!t.defined()) {
         value << " None";
         continue;

@@ -50,15 +50,33 @@ struct Setting {
 void check_agreement(c10d::ProcessGroup& group, c10::Device device,
                      const std::vector<Setting>& settings, const std::string& what);
 
+/// What a rank brings to a step over a group, exchanged before anything is
+/// sent, so that an argument error on one rank stops every rank cleanly.
+struct StepStart {
+  /// This rank's argument error (its first line); empty: none.
+  std::string error;
+  /// On the first stage's rank: the input micro-batches' rows along the
+  /// batch dim (empty: not cut, or not this rank). At most `chunks`.
+  std::vector<int64_t> input_rows;
+  /// On the last stage's rank: the target micro-batches' rows.
+  std::vector<int64_t> target_rows;
+};
+
+/// Every rank's StepStart, indexed by rank: one all_reduce of a small int64
+/// table over `group` (on `device`), and two more (the texts) only when some
+/// rank has an error.
+std::vector<StepStart> exchange_step_start(c10d::ProcessGroup& group, c10::Device device,
+                                           const StepStart& mine, int64_t chunks);
+
 /// The layers' parameters, as every rank sees them in its whole model: per
 /// layer, its parameters by name ("weight") with the tensor.
 using LayerParameters = std::vector<std::vector<std::pair<std::string, at::Tensor>>>;
 
 /// Settings naming each layer's parameters ("layer 3": "weight [16, 8]
-/// Double, bias [16] Double"), for check_agreement; `types[k]` is layer k's
-/// class name.
-std::vector<Setting> parameter_settings(const LayerParameters& layers,
-                                        const std::vector<std::string>& types);
+/// Double, bias [16] Double"; "none" for a layer without), for
+/// check_agreement. Classes are not compared: a rank may wrap a layer
+/// (to inject a fault, say) as long as its parameters are the same.
+std::vector<Setting> parameter_settings(const LayerParameters& layers);
 
 /// A parameter that layers on several ranks use.
 struct Tie {

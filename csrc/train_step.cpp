@@ -23,6 +23,7 @@
 #include "check.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/full_like.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
@@ -144,6 +145,15 @@ int64_t total(const std::vector<int64_t>& values) {
   return sum;
 }
 
+// The in-process check's message where the target's rows differ from the input's.
+std::string rows_mismatch(const std::vector<int64_t>& target_rows,
+                          const std::vector<int64_t>& rows) {
+  return c10::str("train_step's target has ", total(target_rows), " rows along dim 0 (cut into ",
+                  listed(target_rows), ") but the input has ", total(rows),
+                  " along its batch dim (cut into ", listed(rows),
+                  "); the target is cut like the input: give one target row per input row");
+}
+
 // Forward tasks only, in the plan's order: eval_step's plan.
 Plan forwards_of(Plan plan) {
   for (auto& list : plan.lists) {
@@ -176,7 +186,11 @@ at::Tensor Engine::train_step(const Batch& input, const Batch& target, const Los
     const std::string what =
         "train_step was called with grad mode off (torch.no_grad() or inference mode); a "
         "training step needs grads: call it outside no_grad, or use forward for inference";
-    fail_before_step(what, /*training_step=*/true);
+    if (transport_ && failed_.empty()) {
+      StepStart mine;
+      mine.error = what;
+      start_step(mine, nullptr, /*training_step=*/true);
+    }
     throw_value_error(what);
   }
   at::Tensor loss = step(input, target, &loss_fn, training, nullptr);
@@ -222,20 +236,55 @@ void Engine::set_ties(std::vector<Tie> ties) {
 
 void Engine::abandon_step(const std::string& what, bool training_step) {
   Call call(*this, training_step ? "train_step" : "eval_step");
-  fail_before_step(what, training_step);
+  if (!transport_ || !failed_.empty()) return;
+  StepStart mine;
+  mine.error = first_line(what);
+  start_step(mine, nullptr, training_step);
 }
 
-void Engine::fail_before_step(const std::string& what, bool training_step) {
-  if (!transport_ || !failed_.empty()) return;
-  const Plan plan = training_step ? this->plan(chunks_) : forwards_of(this->plan(chunks_));
-  transport_->begin(chunks_, plan_handoffs(plan, transport_->rank(), skips_.routes),
-                    skips_.routes);
-  failed_ = first_line(what);
-  transport_->fail(what);
-  if (training_step && reducer_) {
-    // The replicas are in the step too: their grad exchange learns of it.
-    reducer_->begin(plan, transport_->rank(), stage_indices());
-    reducer_->abort();
+void Engine::start_step(const StepStart& mine, const std::exception_ptr& own,
+                        bool training_step) {
+  const char* call = training_step ? "train_step" : "eval_step";
+  const auto all =
+      exchange_step_start(transport_->group(), transport_->wire_device(), mine, chunks_);
+  std::vector<int64_t> bad;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (!all[r].error.empty()) bad.push_back(static_cast<int64_t>(r));
+  }
+  // The data-parallel replicas run the step together (their grads meet in
+  // it): they learn whether any of them stops.
+  bool replica_bad = false;
+  if (training_step && data_group_ && data_group_->getSize() > 1) {
+    const bool gloo = data_group_->getBackendName() == "gloo";
+    const c10::Device device = gloo ? c10::Device(c10::kCPU) : stages_.front()->lane().device;
+    std::vector<at::Tensor> flag{
+        at::full({1}, bad.empty() ? 0 : 1, at::TensorOptions().dtype(at::kLong)).to(device)};
+    data_group_->allreduce(flag)->wait();
+    replica_bad = flag[0].to(at::kCPU).item<int64_t>() != 0;
+  }
+  if (!mine.error.empty()) {
+    if (own) std::rethrow_exception(own);
+    return;  // the caller raises its own error
+  }
+  if (!bad.empty()) {
+    const auto others = static_cast<int64_t>(bad.size()) - 1;
+    throw_value_error(c10::str(
+        "rank ", bad.front(), "'s ", call, " got bad arguments (",
+        all[static_cast<size_t>(bad.front())].error, ")",
+        others > 0 ? ", and so did " + count(others, "other rank") : std::string(),
+        ", so no rank ran this step and nothing was sent; fix them there, the pipe works on"));
+  }
+  if (replica_bad) {
+    throw_value_error(c10::str(
+        "a data-parallel replica's ", call, " got bad arguments (its ranks name them), so no "
+        "replica ran this step and nothing was sent; the pipe works on"));
+  }
+  if (training_step) {
+    const auto& input_rows = all[static_cast<size_t>(transport_->owner(0))].input_rows;
+    const auto& target_rows =
+        all[static_cast<size_t>(transport_->owner(all_stages_ - 1))].target_rows;
+    GPIPE_CHECK_VALUE(input_rows.empty() || target_rows.empty() || input_rows == target_rows,
+                      rows_mismatch(target_rows, input_rows));
   }
 }
 
@@ -256,10 +305,9 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
   }
   const int64_t s_count = all_stages_;
   // Over a group, the input lives on stage 0's rank, the target on the last
-  // stage's; every rank runs `chunks` micro-batches, and the step's
-  // hand-offs start before anything here can fail: a bad argument on one
-  // rank then stops the others like any failure, instead of leaving them
-  // waiting for it.
+  // stage's, and every rank runs `chunks` micro-batches. Before anything is
+  // sent the ranks exchange their argument errors and rows (start_step): a
+  // bad argument on any rank stops every rank cleanly, and the pipe works on.
   const bool first = holds(0);
   const bool last = holds(s_count - 1) && loss_fn != nullptr;
   std::optional<Plan> forwards;
@@ -270,29 +318,12 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
     forwards = forwards_of(this->plan(microbatches));
     return *forwards;
   };
-  const Plan* plan_ptr = nullptr;
-  if (transport_) {
-    plan_ptr = &plan_of(chunks_);
-    transport_->begin(chunks_, plan_handoffs(*plan_ptr, transport_->rank(), skips_.routes),
-                      skips_.routes);
-  }
-  // Data parallel (reduce.h): from here on, a step that throws still takes
-  // part in the replicas' grad exchange, so none of them waits for it.
-  GradReducer* const reducer = loss_fn && transport_ ? reducer_.get() : nullptr;
-  struct AbortReduce {
-    Engine& engine;
-    GradReducer* reducer;
-    ~AbortReduce() {
-      if (!reducer) return;
-      reducer->abort();
-      if (engine.failed_.empty()) engine.failed_ = "a data-parallel step failed";
-    }
-  } abort_reduce{*this, reducer};
-  if (reducer) reducer->begin(*plan_ptr, transport_->rank(), stage_indices());
   Scattered scattered;
   Scattered targets;
   std::vector<int64_t> rows;
   int64_t m = chunks_;
+  StepStart mine;
+  std::exception_ptr own;
   try {
     if (first) scattered = scatter(input, chunks_, input_dims_);
     if (last) targets = scatter(target, chunks_, BatchDims{0}, "target");
@@ -310,23 +341,39 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
     }
     const auto target_rows = rows_of(targets);
     rows = first ? rows_of(scattered) : target_rows;
-    GPIPE_CHECK_VALUE(
-        rows.empty() || target_rows.empty() || rows == target_rows,
-        "train_step's target has ", total(target_rows), " rows along dim 0 (cut into ",
-        listed(target_rows), ") but the input has ", total(rows),
-        " along its batch dim (cut into ", listed(rows),
-        "); the target is cut like the input: give one target row per input row");
+    GPIPE_CHECK_VALUE(rows.empty() || target_rows.empty() || rows == target_rows,
+                      rows_mismatch(target_rows, rows));
     GPIPE_CHECK_VALUE(!last || static_cast<int64_t>(targets.microbatches.size()) == m ||
                           target_rows.empty(),
                       "train_step's target makes ", targets.microbatches.size(),
                       " micro-batches but the input ", m, "; give one target row per input row");
+    if (first) mine.input_rows = rows_of(scattered);
+    if (last) mine.target_rows = target_rows;
   } catch (const std::exception& e) {
-    if (transport_) {
-      failed_ = first_line(e.what());
-      transport_->fail(e.what());
-    }
-    throw;
+    if (!transport_) throw;
+    own = std::current_exception();
+    mine.error = first_line(e.what());
   }
+  const Plan* plan_ptr = nullptr;
+  if (transport_) {
+    start_step(mine, own, loss_fn != nullptr);
+    plan_ptr = &plan_of(chunks_);
+    transport_->begin(chunks_, plan_handoffs(*plan_ptr, transport_->rank(), skips_.routes),
+                      skips_.routes);
+  }
+  // Data parallel (reduce.h): from here on, a step that throws still takes
+  // part in the replicas' grad exchange, so none of them waits for it.
+  GradReducer* const reducer = loss_fn && transport_ ? reducer_.get() : nullptr;
+  struct AbortReduce {
+    Engine& engine;
+    GradReducer* reducer;
+    ~AbortReduce() {
+      if (!reducer) return;
+      reducer->abort();
+      if (engine.failed_.empty()) engine.failed_ = "a data-parallel step failed";
+    }
+  } abort_reduce{*this, reducer};
+  if (reducer) reducer->begin(*plan_ptr, transport_->rank(), stage_indices());
   if (!plan_ptr) plan_ptr = &plan_of(m);
   const Plan& plan = *plan_ptr;
 
@@ -440,7 +487,7 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
                                  : std::string("an undefined tensor"),
                   " for micro-batch ", i,
                   "; it must return the micro-batch's loss as one number, mean-reduced over its "
-                  "rows (e.g. torch::mse_loss(output, target))");
+                  "rows (e.g. ", loss_example_, ")");
       TORCH_CHECK(loss.requires_grad(), "the loss of micro-batch ", i,
                   " does not require grad: nothing before it needs a grad (every parameter "
                   "frozen?), or loss_fn detached the output");

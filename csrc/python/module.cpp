@@ -15,7 +15,6 @@
 
 #include <chrono>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <tuple>
 
@@ -127,6 +126,7 @@ class PyEngine {
                                                std::move(groups));
     engine_->set_skip_routes(std::move(routes));
     engine_->set_error_hook(reraise_python);
+    engine_->set_loss_example("torch.nn.functional.mse_loss(output, target)");
   }
 
   ~PyEngine() {
@@ -174,19 +174,7 @@ class PyEngine {
                         ("loss_fn must return a tensor (the micro-batch's loss), got " + type).c_str());
         throw py::error_already_set();
       }
-      at::Tensor value = THPVariable_Unpack(loss.ptr());
-      if (value.numel() != 1) {
-        // The engine checks this too; here the example is Python's.
-        std::ostringstream shape;
-        shape << value.sizes();
-        PyErr_SetString(PyExc_ValueError,
-                        ("loss_fn returned a tensor of shape " + shape.str() +
-                         "; it must return the micro-batch's loss as one number, mean-reduced "
-                         "over its rows (e.g. torch.nn.functional.mse_loss(output, target))")
-                            .c_str());
-        throw py::error_already_set();
-      }
-      return value;
+      return THPVariable_Unpack(loss.ptr());
     };
     at::Tensor loss;
     {

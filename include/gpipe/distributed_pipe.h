@@ -108,7 +108,11 @@ class DistributedPipeImpl : public torch::nn::Module {
   /// `target` on the last's (undefined elsewhere). Returns the batch's mean
   /// loss (detached) on the last stage's rank, undefined elsewhere; grads
   /// accumulate into this rank's parameters (averaged over `dp_group`,
-  /// each stage's as soon as they are final).
+  /// each stage's as soon as they are final). Bad arguments on any rank
+  /// (a missing input or target, too few rows, a target cut unlike the
+  /// input) throw on every rank before anything is sent, and the pipe works
+  /// on; a failure during the step throws on every rank and later steps
+  /// are refused (rebuild the group and the pipe).
   torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
                            const LossFn& loss_fn);
   /// Pipelined inference (no grads kept): the output on the last stage's

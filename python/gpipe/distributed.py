@@ -52,14 +52,14 @@ def _find_ties(module: nn.Sequential, rank_of_layer: List[int]
 
 
 def _layer_settings(module: nn.Sequential) -> List[Tuple[str, str]]:
-    """Each layer's class and parameters (names, shapes, dtypes), for the ranks to compare."""
+    """Each layer's parameters (names, shapes, dtypes), for the ranks to compare; not its
+    class: a rank may wrap a layer (to inject a fault, say) with the same parameters."""
     settings = []
     for k, layer in enumerate(module):
         params = [f"{n} {list(p.shape)} {str(p.dtype).replace('torch.', '')}"
                   + ("" if p.requires_grad else " frozen")
                   for n, p in layer.named_parameters(remove_duplicate=False)]
-        settings.append((f"layer {k}", type(layer).__name__ + (": " + ", ".join(params)
-                                                              if params else "")))
+        settings.append((f"layer {k}", ", ".join(params) or "none"))
     return settings
 
 
@@ -110,7 +110,7 @@ class Pipe(nn.Module):
 
     At construction the ranks compare their settings (balance, chunks,
     schedule, virtual stages, checkpoint, batch dims) and every layer's
-    class and parameter names, shapes and dtypes, with one small exchange
+    parameter names, shapes and dtypes, with one small exchange
     over ``group``; where any rank differs, every rank raises a ValueError
     naming each setting and each rank's value.
 
@@ -275,10 +275,18 @@ class Pipe(nn.Module):
         A grad undefined here stays undefined (the replicas run the same
         model, so they agree on which are).
 
-        A failure on any rank fails the step on every rank, each naming the
-        rank where it started; the pipe then refuses further steps (the
-        group's point-to-point state is undefined after it): recreate the
-        process group and the pipe.
+        Bad arguments on any rank (a missing input or target, a value that
+        is not a tensor, ``loss_fn`` not callable, too few rows for
+        ``chunks``, a target cut unlike the input) are found before anything
+        is sent: the ranks exchange their checks' outcome and the input's
+        and target's rows (one small all_reduce per step), every rank raises
+        (that rank its own error, the others a ValueError naming it) and the
+        pipe works on at the next step. A failure during the step (a layer
+        or ``loss_fn`` raising, a loss that is not one number, a lost rank)
+        fails the step on every rank, each naming the rank where it started;
+        the pipe then refuses further steps (the group's point-to-point
+        state is undefined after it): recreate the process group and the
+        pipe.
         """
         try:
             if not callable(loss_fn):

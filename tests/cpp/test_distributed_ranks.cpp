@@ -6,6 +6,7 @@
 
 #include <torch/optim/sgd.h>
 
+#include <array>
 #include <functional>
 #include <map>
 
@@ -57,7 +58,9 @@ torch::nn::Sequential eight_layers(int64_t width = kWidth) {
   return model;
 }
 
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& t) { return torch::mse_loss(out, t); }
+torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& t) {
+  return torch::mse_loss(out, t);
+}
 
 // Every rank builds a pipe with the options `options_of(rank)` makes (from
 // its own model): every rank must fail, and each message must hold `want`.
@@ -116,9 +119,9 @@ TEST_CASE("distributed_pipe: ranks that disagree on a setting or a layer all ref
                           rank == 3 ? std::vector<int64_t>{2, 3, 2, 2}
                                     : std::vector<int64_t>{2, 2, 2, 2});
                     },
-                    {"layer 2: ranks 0, 1 and 2 have LinearImpl: weight [6, 6] Double",
-                     "rank 3 has LinearImpl: weight [5, 6] Double", "layer 8: ranks 0, 1 and 2 have "
-                                                                "(nothing)"});
+                    {"layer 2: ranks 0, 1 and 2 have weight [6, 6] Double",
+                     "rank 3 has weight [5, 6] Double",
+                     "layer 8: ranks 0, 1 and 2 have (nothing)"});
     }
   }
 }
@@ -224,5 +227,89 @@ TEST_CASE("distributed_pipe: a weight tied across ranks starts as the lowest own
         CHECK(params.front().at("0.weight").equal(params.back().at("7.weight")));
       }
     }
+  }
+}
+
+TEST_CASE("distributed_pipe: a bad argument on one rank stops every rank before anything is sent, "
+          "and the pipe trains on (also across data-parallel replicas)", "[distributed]") {
+  // 2 pipelines of 2 ranks x 2 replicas: thread t is rank t % 2 of pipeline
+  // t / 2. Step 1: rank 1 of pipeline 1 gives a target of 2 rows for 8
+  // input rows. Step 2: every argument right.
+  const int threads = 4;
+  for (auto matching : {FakeMatching::ByTag, FakeMatching::ByOrder}) {
+    INFO((matching == FakeMatching::ByTag ? "by tag" : "by order"));
+    std::array<std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>, 2> pipelines{
+        make_fake_groups(2, matching, 10s), make_fake_groups(2, matching, 10s)};
+    std::array<std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>, 2> reverse;
+    if (matching == FakeMatching::ByOrder) {
+      reverse = {make_fake_groups(2, matching, 10s), make_fake_groups(2, matching, 10s)};
+    }
+    const std::array<std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>, 2> data{
+        make_fake_groups(2, FakeMatching::ByTag, 10s),
+        make_fake_groups(2, FakeMatching::ByTag, 10s)};
+    std::vector<torch::nn::Sequential> models;
+    for (int t = 0; t < threads; ++t) models.push_back(eight_layers());
+    const auto x = randn64({8, kWidth});
+    std::vector<std::string> first(threads), second(threads);
+    const auto errors = run_ranks(threads, [&](int t) {
+      const int pipeline = t / 2;
+      const int rank = t % 2;
+      auto options = gpipe::DistributedPipeOptions({4, 4})
+                         .chunks(4)
+                         .group(pipelines[static_cast<size_t>(pipeline)][static_cast<size_t>(rank)])
+                         .dp_group(data[static_cast<size_t>(rank)][static_cast<size_t>(pipeline)]);
+      if (!reverse[0].empty()) {
+        options.reverse_group(reverse[static_cast<size_t>(pipeline)][static_cast<size_t>(rank)]);
+      }
+      gpipe::DistributedPipe dp(models[static_cast<size_t>(t)], options);
+      const bool bad = pipeline == 1 && rank == 1;
+      try {
+        dp->train_step(dp->is_first() ? x : torch::Tensor(),
+                       dp->is_last() ? (bad ? x.slice(0, 0, 2) : x) : torch::Tensor(), mse);
+      } catch (const std::exception& e) {
+        first[static_cast<size_t>(t)] = e.what();
+      }
+      auto loss = dp->train_step(dp->is_first() ? x : torch::Tensor(),
+                                 dp->is_last() ? x : torch::Tensor(), mse);
+      second[static_cast<size_t>(t)] = dp->is_last() ? (loss.defined() ? "loss" : "none") : "";
+    });
+    REQUIRE(errors == std::vector<std::string>(threads));
+    const std::string rows = "the target makes 2 micro-batches but every rank of the pipeline "
+                             "runs chunks=4";
+    CHECK_THAT(first[3], Catch::StartsWith(rows));
+    CHECK_THAT(first[2], Catch::StartsWith("rank 1's train_step got bad arguments (" + rows));
+    for (int t : {0, 1}) {
+      CHECK_THAT(first[static_cast<size_t>(t)],
+                 Catch::StartsWith("a data-parallel replica's train_step got bad arguments"));
+    }
+    CHECK(second == std::vector<std::string>{"", "loss", "", "loss"});
+  }
+}
+
+TEST_CASE("distributed_pipe: a target cut unlike the input is refused on every rank before "
+          "anything is sent", "[distributed]") {
+  const int ranks = 4;
+  const auto groups = make_fake_groups(ranks, FakeMatching::ByTag, 10s);
+  std::vector<torch::nn::Sequential> models;
+  for (int r = 0; r < ranks; ++r) models.push_back(eight_layers());
+  const auto x = randn64({16, kWidth});
+  std::vector<std::string> first(ranks);
+  const auto errors = run_ranks(ranks, [&](int rank) {
+    gpipe::DistributedPipe dp(models[static_cast<size_t>(rank)],
+                              gpipe::DistributedPipeOptions({2, 2, 2, 2}).chunks(4).group(
+                                  groups[static_cast<size_t>(rank)]));
+    try {
+      dp->train_step(dp->is_first() ? x : torch::Tensor(),
+                     dp->is_last() ? x.slice(0, 0, 4) : torch::Tensor(), mse);
+    } catch (const std::exception& e) {
+      first[static_cast<size_t>(rank)] = e.what();
+    }
+    dp->train_step(dp->is_first() ? x : torch::Tensor(), dp->is_last() ? x : torch::Tensor(), mse);
+  });
+  REQUIRE(errors == std::vector<std::string>(ranks));
+  for (const auto& e : first) {
+    CHECK(e == "train_step's target has 4 rows along dim 0 (cut into [1, 1, 1, 1]) but the input "
+               "has 16 along its batch dim (cut into [4, 4, 4, 4]); the target is cut like the "
+               "input: give one target row per input row");
   }
 }

@@ -299,19 +299,26 @@ def _worker_errors() -> None:
         gpipe.distributed.Pipe(_mlp(8), [4, 4])
     except ValueError as e:
         errors["balance"] = str(e)
-    # One rank's bad argument fails the step on every rank. Each case on a
-    # group of its own: a failed step leaves its group's hand-offs unusable.
+    # One rank's bad argument stops the step on every rank before anything
+    # is sent; the same pipe then trains on (each case, then a good step).
+    x16 = torch.randn(16, 6, dtype=torch.double)
     cases = {"input": (None if rank == 0 else x, x),
              "target": (x, None if rank == 3 else x),
-             "rows": (x[:3] if rank == 0 else x, x)}
+             "rows": (x[:3] if rank == 0 else x, x),
+             "target_rows": (x16, x16[:4]),
+             "loss_fn": (x, x)}
+    pipe = gpipe.distributed.Pipe(_mlp(8), [2, 2, 2, 2], chunks=4)
     for what, (xs, ys) in cases.items():
-        pipe = gpipe.distributed.Pipe(_mlp(8), [2, 2, 2, 2], chunks=4, group=dist.new_group())
+        loss_fn = "mse" if what == "loss_fn" and rank == 3 else nn.functional.mse_loss
         try:
             pipe.train_step(xs if pipe.is_first else None, target=ys if pipe.is_last else None,
-                            loss_fn=nn.functional.mse_loss)
+                            loss_fn=loss_fn)
             errors[what] = None
         except Exception as e:
             errors[what] = f"{type(e).__name__}: {e}"
+        loss = pipe.train_step(x if pipe.is_first else None, target=x if pipe.is_last else None,
+                               loss_fn=nn.functional.mse_loss)
+        errors[what + " then"] = None if loss is None else "loss"
     _report(check="errors", errors=errors)
 
 
@@ -453,7 +460,12 @@ def test_errors_name_value_and_fix(handoffs):
                       "here: pass target=y if pipe.is_last else None"),
         "rows": (0, "ValueError: the input makes 3 micro-batches but every rank of the pipeline "
                     "runs chunks=4; give at least 4 rows"),
+        "loss_fn": (3, "TypeError: loss_fn must be callable as loss_fn(output, target), got "
+                       "'mse'"),
     }
+    target_rows = ("ValueError: train_step's target has 4 rows along dim 0 (cut into [1, 1, 1, "
+                   "1]) but the input has 16 along its batch dim (cut into [4, 4, 4, 4]); the "
+                   "target is cut like the input: give one target row per input row")
     for rank, r in _results(run, "errors").items():
         errors = r["errors"]
         assert errors["balance"] == (
@@ -463,11 +475,16 @@ def test_errors_name_value_and_fix(handoffs):
             if rank == culprit:
                 assert errors[what] == message, (what, errors)
             else:
-                # The others fail too (no hang), naming the culprit and its error.
-                assert errors[what].startswith(f"RuntimeError: gpipe: stage {rank}, micro-batch "
-                                               f"0, "), (what, errors)
-                assert f"rank {culprit} failed" in errors[what], (what, errors)
+                # The others stop too (no hang, nothing sent), naming the culprit and its error.
+                assert errors[what].startswith(f"ValueError: rank {culprit}'s train_step got bad "
+                                               f"arguments ("), (what, errors)
                 assert message.split(": ", 1)[1] in errors[what], (what, errors)
+                assert "so no rank ran this step and nothing was sent" in errors[what], errors
+        # A target cut unlike the input: every rank, before anything is sent.
+        assert errors["target_rows"] == target_rows, errors
+        # After each, the same pipe trains on.
+        for what in list(expected) + ["target_rows"]:
+            assert errors[what + " then"] == ("loss" if rank == 3 else None), (what, errors)
     assert run["codes"] == [0] * WORLD, run["logs"]
 
 

@@ -234,8 +234,8 @@ def disagree():
     ("chunks", "chunks: ranks 0, 2 and 3 have 4; rank 1 has 3"),
     ("checkpoint", "checkpoint: ranks 0, 1 and 2 have always; rank 3 has never"),
     ("batch_dim", "batch_dim: rank 0 has [1]; ranks 1, 2 and 3 have [0]"),
-    ("layer", "layer 2: ranks 0, 1 and 2 have Linear: weight [6, 6] float64, bias [6] float64; "
-              "rank 3 has Linear: weight [6, 6] float64"),
+    ("layer", "layer 2: ranks 0, 1 and 2 have weight [6, 6] float64, bias [6] float64; "
+              "rank 3 has weight [6, 6] float64"),
 ])
 def test_ranks_that_disagree_all_refuse_naming_each_value(disagree, case, line):
     results = td._results(disagree, case)

@@ -613,6 +613,8 @@ def test_loss_fn_returning_a_non_scalar():
     raised = raises_within_timeout(lambda: small_pipe().train_step(x, y, lambda o, t: o - t))
     assert isinstance(raised, RuntimeError), repr(raised)
     assert "micro-batch 0" in str(raised) and "[2, 3]" in str(raised), str(raised)
+    # The example is Python's, not C++'s.
+    assert "torch.nn.functional.mse_loss(output, target)" in str(raised), str(raised)
 
 
 def test_loss_that_does_not_require_grad():
