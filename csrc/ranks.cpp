@@ -15,6 +15,7 @@
 #include <set>
 #include <sstream>
 #include <unordered_map>
+#include <utility>
 
 namespace gpipe::detail {
 
@@ -283,9 +284,32 @@ void TiedParameters::broadcast() {
   }
 }
 
+void TiedParameters::begin_step() {
+  aside_.assign(ties_.size(), at::Tensor());
+  for (size_t k = 0; k < ties_.size(); ++k) {
+    auto& replica = ties_[k].replica;
+    if (!replica.defined() || !replica.grad().defined()) continue;
+    aside_[k] = replica.grad();
+    replica.mutable_grad() = at::Tensor();
+  }
+}
+
+namespace {
+
+// `grad` plus what was put aside, in the put-aside tensor (the one the
+// caller's optimizer may hold).
+at::Tensor with_aside(at::Tensor aside, const at::Tensor& grad) {
+  if (!aside.defined()) return grad;
+  if (grad.defined()) aside.add_(grad);
+  return aside;
+}
+
+}  // namespace
+
 void TiedParameters::reduce_grads() {
   at::NoGradGuard no_grad;
-  for (const auto& tie : ties_) {
+  for (size_t k = 0; k < ties_.size(); ++k) {
+    const auto& tie = ties_[k];
     if (!tie.requires_grad) continue;
     if (tie.owners_only && !tie.replica.defined()) continue;
     const at::Tensor grad = tie.replica.defined() ? tie.replica.grad() : at::Tensor();
@@ -293,10 +317,23 @@ void TiedParameters::reduce_grads() {
     if (!tie.replica.defined()) continue;
     if (grad.defined()) {
       grad.copy_(total);
+      total = grad;
     } else {
-      tie.replica.mutable_grad() = total.to(tie.replica.device());
+      total = total.to(tie.replica.device());
     }
+    at::Tensor aside = k < aside_.size() ? std::exchange(aside_[k], at::Tensor()) : at::Tensor();
+    tie.replica.mutable_grad() = with_aside(std::move(aside), total);
   }
+  aside_.clear();
+}
+
+void TiedParameters::restore_grads() {
+  at::NoGradGuard no_grad;
+  for (size_t k = 0; k < aside_.size(); ++k) {
+    auto& replica = ties_[k].replica;
+    if (aside_[k].defined()) replica.mutable_grad() = with_aside(aside_[k], replica.grad());
+  }
+  aside_.clear();
 }
 
 }  // namespace gpipe::detail

@@ -118,10 +118,18 @@ class TiedParameters {
   /// Sets every replica to the lowest owner's values. Every rank of each
   /// tie's group calls it (construction).
   void broadcast();
-  /// After a training step: every replica's `.grad` becomes the sum over
-  /// the owners' grads (a replica without a grad counts as zeros and gets
-  /// the sum). Every rank of each tie's group calls it.
+  /// Before a training step: puts each replica's `.grad` aside, so that
+  /// the step's own grads are what reduce_grads sums (grads accumulate
+  /// over steps; summing the accumulated ones would count earlier steps'
+  /// again).
+  void begin_step();
+  /// After a training step: every replica's `.grad` becomes what was put
+  /// aside plus the sum over the owners of this step's grads (a replica
+  /// without a grad counts as zeros). Every rank of each tie's group calls it.
   void reduce_grads();
+  /// After a failed step: the put-aside grads back, plus whatever the step
+  /// added here.
+  void restore_grads();
 
   bool empty() const noexcept { return ties_.empty(); }
 
@@ -131,6 +139,8 @@ class TiedParameters {
   at::Tensor sum(const Tie& tie, const at::Tensor& mine);
 
   std::vector<Tie> ties_;
+  /// Per tie, its replica's `.grad` before the step (begin_step).
+  std::vector<at::Tensor> aside_;
   c10d::ProcessGroup& pipeline_;
   c10::Device wire_;
   int64_t rank_;

@@ -193,15 +193,22 @@ at::Tensor Engine::train_step(const Batch& input, const Batch& target, const Los
     }
     throw_value_error(what);
   }
-  at::Tensor loss = step(input, target, &loss_fn, training, nullptr);
-  if (ties_) {
-    // Every rank got here: the step ran through on all of them.
-    try {
-      ties_->reduce_grads();
-    } catch (const std::exception& e) {
-      failed_ = first_line(e.what());
-      throw;
-    }
+  if (!ties_) return step(input, target, &loss_fn, training, nullptr);
+  ties_->begin_step();
+  at::Tensor loss;
+  try {
+    loss = step(input, target, &loss_fn, training, nullptr);
+  } catch (...) {
+    ties_->restore_grads();
+    throw;
+  }
+  // Every rank got here: the step ran through on all of them.
+  try {
+    ties_->reduce_grads();
+  } catch (const std::exception& e) {
+    failed_ = first_line(e.what());
+    ties_->restore_grads();
+    throw;
   }
   return loss;
 }

@@ -4,7 +4,8 @@
 // by order with a reverse group), schedule, checkpoint mode, chunks, a
 // random model from the zoo below cut by a random balance, and 1-3 steps
 // whose batch rows, sequence length or number of dims may change between steps (and
-// change back, the ordered transport's predicted-shape path). After every
+// change back, the ordered transport's predicted-shape path). A quarter of
+// the models tie two layers' weights, on one stage, two, or two ranks. After every
 // step, every rank's grads (accumulated, never zeroed) and the last rank's
 // loss equal Pipe's train_step and the plain Sequential's backward; the
 // last rank's eval equals the plain forward. A failure prints the seed and
@@ -222,8 +223,22 @@ TORCH_MODULE(TPop);
 
 // ---- a configuration ----------------------------------------------------------
 
+/// tanh(x W^T) with a W it is given: two of these share one W (a weight
+/// tied across stages, and across ranks where they fall on two).
+class TiedImpl : public torch::nn::Cloneable<TiedImpl> {
+ public:
+  explicit TiedImpl(torch::Tensor w) : w_(std::move(w)) { reset(); }
+  void reset() override { weight = register_parameter("weight", w_); }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(x.matmul(weight.t())); }
+  torch::Tensor weight;
+
+ private:
+  torch::Tensor w_;
+};
+TORCH_MODULE(Tied);
+
 enum class Kind {
-  Linear, Tanh, Stash, Pop, Fork, Join, Mix, TTanh, Split, Widen, Merge, TStash, TPop
+  Linear, Tanh, Stash, Pop, Fork, Join, Mix, TTanh, Split, Widen, Merge, TStash, TPop, Tied
 };
 
 const char* name_of(Kind k) {
@@ -241,6 +256,7 @@ const char* name_of(Kind k) {
     case Kind::Merge: return "Merge";
     case Kind::TStash: return "TStash";
     case Kind::TPop: return "TPop";
+    case Kind::Tied: return "Tied";
   }
   return "?";
 }
@@ -399,6 +415,21 @@ Config draw_config(uint64_t seed) {
     c.layers.push_back(l);
   }
   c.out_arity = arity;
+  // A quarter of the models tie two of their one-tensor Linear layers'
+  // weights (on one stage, two stages or two ranks, as the balance falls).
+  if (d.chance(25)) {
+    std::vector<size_t> linears;
+    for (size_t i = 0; i < c.layers.size(); ++i) {
+      if (c.layers[i].kind == Kind::Linear && c.layers[i].arity == 0) linears.push_back(i);
+    }
+    if (linears.size() >= 2) {
+      const auto a = static_cast<size_t>(d.in(0, static_cast<int64_t>(linears.size()) - 1));
+      auto b = static_cast<size_t>(d.in(0, static_cast<int64_t>(linears.size()) - 2));
+      if (b >= a) ++b;
+      c.layers[linears[a]].kind = Kind::Tied;
+      c.layers[linears[b]].kind = Kind::Tied;
+    }
+  }
   // A model of Tanh and TTanh only has nothing to train (the plain loss
   // would not require grad): give its first layer parameters.
   if (std::all_of(c.layers.begin(), c.layers.end(), [](const LayerSpec& l) {
@@ -426,8 +457,11 @@ Config draw_config(uint64_t seed) {
   return c;
 }
 
+// The same values on every call: a model with tied layers cannot be
+// cloned (clone() unties them), so each user builds its own.
 torch::nn::Sequential build_model(const Config& c) {
   torch::manual_seed(c.seed);
+  const auto tied = (randn64({kWidth, kWidth}) * 0.5).requires_grad_(true);
   torch::nn::Sequential m;
   for (const auto& l : c.layers) {
     switch (l.kind) {
@@ -444,14 +478,10 @@ torch::nn::Sequential build_model(const Config& c) {
       case Kind::Merge: m->push_back(Merge()); break;
       case Kind::TStash: m->push_back(TStash(l.skip, l.which)); break;
       case Kind::TPop: m->push_back(TPop(l.skip)); break;
+      case Kind::Tied: m->push_back(Tied(tied)); break;
     }
   }
   return m;
-}
-
-// A copy of `model`, safe off the main thread (deep_copy REQUIREs).
-torch::nn::Sequential copy_of(const torch::nn::Sequential& model) {
-  return torch::nn::Sequential(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->clone()));
 }
 
 // One step's data: inputs (one tensor when in_arity is 0) and targets.
@@ -533,7 +563,6 @@ std::string run_config(const Config& c) {
     }
   };
 
-  const auto model = build_model(c);
   std::vector<StepData> data;
   torch::manual_seed(c.seed + 1000003);
   for (const auto& s : c.steps) {
@@ -541,8 +570,8 @@ std::string run_config(const Config& c) {
   }
 
   // The plain Sequential and Pipe, step by step (grads accumulate).
-  auto plain = copy_of(model);
-  auto pipe_model = copy_of(model);
+  auto plain = build_model(c);
+  auto pipe_model = build_model(c);
   gpipe::Pipe pipe(pipe_model,
                    gpipe::PipeOptions()
                        .balance(c.balance)
@@ -573,7 +602,7 @@ std::string run_config(const Config& c) {
 
   // The distributed pipe: every rank runs every step, then an eval.
   std::vector<torch::nn::Sequential> copies;
-  for (int r = 0; r < c.ranks; ++r) copies.push_back(copy_of(model));
+  for (int r = 0; r < c.ranks; ++r) copies.push_back(build_model(c));
   const auto groups = make_fake_groups(c.ranks, c.matching, 10s);
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> reverse;
   if (c.matching == FakeMatching::ByOrder) reverse = make_fake_groups(c.ranks, c.matching, 10s);
