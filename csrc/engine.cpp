@@ -3,6 +3,7 @@
 
 #include "check.h"
 #include "pipe_backward.h"
+#include "rng.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -19,7 +20,9 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -261,6 +264,31 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
     stages_.push_back(std::make_unique<Stage>(index, std::move(layers[j]), devices[j]));
   }
   skips_ = Skips({}, stages());
+  // The RNG rule (rng.h): a default generator that stages on two or more
+  // workers draw from is shared; there, cells get streams of their own.
+  // (Over a process group one worker runs all of this rank's stages.)
+  std::map<const void*, std::set<int64_t>> drawn_by;
+  for (size_t j = 0; j < stages_.size(); ++j) {
+    for (const auto& g : generators_for(stages_[j]->device())) {
+      drawn_by[g.unsafeGetGeneratorImpl()].insert(static_cast<int64_t>(j) % workers());
+    }
+  }
+  for (auto& stage : stages_) {
+    std::vector<bool> shared;
+    for (const auto& g : generators_for(stage->device())) {
+      shared.push_back(drawn_by[g.unsafeGetGeneratorImpl()].size() > 1);
+      shared_generators_ = shared_generators_ || shared.back();
+    }
+    stage->set_shared_generators(std::move(shared));
+  }
+}
+
+std::optional<uint64_t> Engine::begin_draws(int64_t microbatches) {
+  for (auto& stage : stages_) stage->begin_step();
+  // One micro-batch: the cells run one after the other, drawing in the
+  // plain model's order from the live generators.
+  if (microbatches <= 1 || !shared_generators_) return std::nullopt;
+  return draw_step_seed();
 }
 
 void Engine::set_bucket_cap(int64_t bytes) {
@@ -358,6 +386,7 @@ Batch Engine::forward(const Batch& input, bool training) {
   const int64_t step = tracer_.enabled() ? tracer_.next_step() : 0;
   run->step = step;
   const int64_t stop = graph && training ? checkpointed_microbatches(checkpoint_, m) : 0;
+  const std::optional<uint64_t> seed = begin_draws(m);
 
   // The input was produced on the caller's current streams: every
   // micro-batch waits for that work.
@@ -388,8 +417,9 @@ Batch Engine::forward(const Batch& input, bool training) {
   // stashes for micro-batch i before it hands i on, so by the time i
   // reaches the popping stage its skips are there: no receive here waits.
   Mailboxes skip_mail(k, m, skips_.size());
-  const CellFn cell = [this, &r, &skip_mail, stop, step](int64_t j, const Action& action,
-                                                         Payload in, const char*& /*phase*/) {
+  const CellFn cell = [this, &r, &skip_mail, stop, step, seed](int64_t j, const Action& action,
+                                                               Payload in,
+                                                               const char*& /*phase*/) {
     Stage& stage = *stages_[static_cast<size_t>(j)];
     auto guard = on_compute_stream(stage);
     const int64_t i = action.microbatch;
@@ -402,7 +432,7 @@ Batch Engine::forward(const Batch& input, bool training) {
     }
     Span span(tracer_, step, j, i, TracePhase::Forward, stage.lane().compute);
     Batch y = stage.forward(r.cells[static_cast<size_t>(j)][static_cast<size_t>(i)], x, i < stop,
-                            stop > 0);
+                            stop > 0, CellDraws{i, seed});
     span.finish();
     auto ready = mark(stage.lane().compute);
     const auto& leaving = skips_.leaving[static_cast<size_t>(j)];
@@ -585,12 +615,29 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
                                             std::vector<at::Tensor>(externals));
   std::vector<std::vector<char>> owned(static_cast<size_t>(k), std::vector<char>(externals, 0));
   // Leaves whose grads go straight into .grad (see PipeBackward), each
-  // through its own slot: a weight tied across stages gets grads from two
-  // workers, on two streams (graph.h).
+  // through its own slot (graph.h), micro-batch by micro-batch in the one
+  // stage's order. Not a leaf that cells of several stages reach (a weight
+  // tied across stages): their workers would add into .grad in whatever
+  // order they come, and float sums depend on the order. Its grads are
+  // summed per stage and the stages' sums added in stage order below, so a
+  // seeded run gives bitwise the same grad every time; autograd then adds
+  // the total into .grad.
   TORCH_INTERNAL_ASSERT(accumulate.size() == externals);
+  std::vector<int> reached_by(externals, 0);
+  for (int64_t j = 0; j < k; ++j) {
+    std::vector<char> seen(externals, 0);
+    for (const auto& c : run.cells[static_cast<size_t>(j)]) {
+      for (const auto& edge : c.cut.externals) {
+        const int64_t id = run.externals.find(edge);
+        if (id < 0 || seen[static_cast<size_t>(id)] != 0) continue;
+        seen[static_cast<size_t>(id)] = 1;
+        ++reached_by[static_cast<size_t>(id)];
+      }
+    }
+  }
   std::vector<torch::autograd::AccumulateGrad*> accumulators(externals, nullptr);
   for (size_t e = 0; e < externals; ++e) {
-    if (accumulate[e]) {
+    if (accumulate[e] && reached_by[e] == 1) {
       accumulators[e] =
           dynamic_cast<torch::autograd::AccumulateGrad*>(run.externals.edges()[e].function.get());
       TORCH_INTERNAL_ASSERT(accumulators[e] != nullptr);

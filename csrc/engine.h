@@ -194,7 +194,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// edge's grad summed over micro-batches (undefined where not needed).
   /// The external edges marked in `accumulate` lead to leaves' accumulators
   /// that autograd would only add into: their grads go straight into the
-  /// leaves' `.grad`, micro-batch by micro-batch, and come back undefined.
+  /// leaves' `.grad`, micro-batch by micro-batch, and come back undefined;
+  /// except where cells of several stages reach the leaf (a weight tied
+  /// across stages): its grad comes back, summed in a fixed order (stage by
+  /// stage), so seeded runs give bitwise the same `.grad`.
   std::vector<at::Tensor> backward(PipeRun& run, const std::vector<at::Tensor>& grads,
                                    bool keep_graph, const std::vector<bool>& needed,
                                    const std::vector<bool>& accumulate);
@@ -308,6 +311,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// into `outputs`.
   at::Tensor step(const Batch& input, const Batch& target, const LossFn* loss_fn, bool training,
                   std::vector<Batch>* outputs);
+  /// Starts a step's random draws (the RNG rule, rng.h): every stage
+  /// relearns what it draws; with several micro-batches and a generator
+  /// shared between workers, returns the step's seed (one draw from the
+  /// caller's CPU generator), from which each cell's own streams are seeded.
+  std::optional<uint64_t> begin_draws(int64_t microbatches);
   /// The index (of all_stages()) of each of stages_.
   std::vector<int64_t> stage_indices() const;
   /// Over a group, before a step's first hand-off: every rank's argument
@@ -361,6 +369,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   BatchDims input_dims_{0};
   BatchDims output_dims_{0};
   Checkpoint checkpoint_;
+  /// Whether some default generator is drawn from by stages on several
+  /// workers (the RNG rule, rng.h).
+  bool shared_generators_ = false;
   int64_t virtual_stages_;
   PlanKind plan_kind_;
   /// The last plan made, for its micro-batch count.

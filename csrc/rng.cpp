@@ -1,4 +1,4 @@
-// rng.cpp — default generators per device, their locks and their states.
+// rng.cpp — default generators per device, their locks, their states and the cells' seeds.
 #include "rng.h"
 
 #include <ATen/Context.h>
@@ -44,6 +44,38 @@ void set_state(at::Generator& generator, const at::Tensor& state) {
 bool same_state(const at::Tensor& a, const at::Tensor& b) {
   return a.numel() == b.numel() && a.scalar_type() == b.scalar_type() &&
          std::memcmp(a.const_data_ptr(), b.const_data_ptr(), a.nbytes()) == 0;
+}
+
+uint64_t draw_step_seed() {
+  at::Generator cpu = at::detail::getDefaultCPUGenerator();
+  std::unique_lock<std::shared_mutex> exclusive(lock_for(cpu));
+  std::lock_guard<std::mutex> hold(cpu.mutex());
+  return at::check_generator<at::CPUGeneratorImpl>(cpu)->random64();
+}
+
+namespace {
+
+// SplitMix64's finalizer: every input bit reaches every output bit, so
+// neighbouring (stage, micro-batch) pairs get unrelated seeds.
+uint64_t mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+uint64_t cell_seed(uint64_t step_seed, int64_t stage, int64_t microbatch, size_t generator) {
+  constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
+  uint64_t h = mix(step_seed + kGolden);
+  h = mix(h ^ (static_cast<uint64_t>(stage) + 1) * kGolden);
+  h = mix(h ^ (static_cast<uint64_t>(microbatch) + 1) * kGolden);
+  return mix(h ^ (static_cast<uint64_t>(generator) + 1) * kGolden);
+}
+
+void reseed(at::Generator& generator, uint64_t seed) {
+  std::lock_guard<std::mutex> hold(generator.mutex());
+  generator.set_current_seed(seed);
 }
 
 }  // namespace gpipe::detail

@@ -1,21 +1,33 @@
-// rng.h — saving and replaying the default generators a checkpointed cell draws from.
+// rng.h — the default generators a cell draws from: their locks, saved states and per-cell streams.
 //
-// RNG rule: stages sharing a generator (every CPU stage; several
-// stages on one GPU) draw from it concurrently. A checkpointed cell whose
-// stage draws, and every recompute that replays draws, therefore hold
-// `lock_for(generator)` exclusively, so no other cell draws between the
-// snapshot and the cell's own draws; every other cell of a run with
-// checkpoints holds it shared. A checkpointed cell of a stage that has not
-// drawn so far holds it shared and checks the state after its forward (see
-// Stage::forward for what it does when the state moved). We never hold the
-// generator's own mutex across a cell: the random ops take that one
-// themselves.
+// RNG rule (docs/design.md, "The RNG rule"). A checkpointed cell must draw in
+// its recompute what it drew in its first forward, and a seeded run must draw
+// the same numbers whatever the threads' timing. Stages on different workers
+// that share a default generator (every CPU stage; several stages on one
+// GPU) would otherwise draw from it in whatever order the threads come.
+//
+// - With more than one micro-batch, a generator shared by several workers is
+//   given, for each cell that may draw from it, a state of its own: seeded
+//   from (a seed drawn once per step from the caller's generator, the stage,
+//   the micro-batch), set for the cell under the generator's exclusive lock
+//   and replaced by the live state after it. So the numbers a cell draws do
+//   not depend on any other cell, and the caller's generator advances by one
+//   draw per step.
+// - Otherwise (one micro-batch: the cells run one after the other, in the
+//   plain model's order; or a generator only one worker draws from, in its
+//   fixed order) cells draw from the live generator, and a checkpointed cell
+//   snapshots its state before its forward.
+//
+// Either way a recompute replays the state its cell started from, under the
+// exclusive lock. We never hold the generator's own mutex across a cell: the
+// random ops take that one themselves.
 #pragma once
 
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <cstdint>
 #include <shared_mutex>
 #include <vector>
 
@@ -35,5 +47,16 @@ at::Tensor get_state(const at::Generator& generator);
 void set_state(at::Generator& generator, const at::Tensor& state);
 /// Whether two states from `get_state` are byte for byte equal.
 bool same_state(const at::Tensor& a, const at::Tensor& b);
+
+/// A step's seed for the cells' own streams: one 64-bit draw from the
+/// default CPU generator (the caller's), taken under its exclusive lock so
+/// that no cell's state is set on it meanwhile.
+uint64_t draw_step_seed();
+/// The seed of the stream cell (`stage`, `microbatch`) draws from on its
+/// stage's generator number `generator` in a step seeded `step_seed`.
+uint64_t cell_seed(uint64_t step_seed, int64_t stage, int64_t microbatch, size_t generator);
+/// Puts `generator` in the state a fresh generator seeded `seed` starts in
+/// (under its own mutex).
+void reseed(at::Generator& generator, uint64_t seed);
 
 }  // namespace gpipe::detail

@@ -27,7 +27,7 @@ using torch::autograd::variable_list;
 constexpr int kUnknown = 0;
 constexpr int kMutates = 1;
 constexpr int kKeeps = 2;
-// draws_[g]: whether the stage's checkpointed cells draw from generator g.
+// draws_[g]: whether the stage's cells draw from generator g in this step.
 constexpr int kDraws = 1;
 constexpr int kDrawsNot = 2;
 
@@ -139,8 +139,9 @@ Batch run_layers(Layers& layers, const Batch& input) {
   return layers.forward(input);
 }
 
-// Holds the generator locks a cell needs: exclusive around a checkpointed
-// forward and a recompute, shared around any other forward that may draw.
+// Holds the generator locks a cell needs: exclusive around a forward that may
+// draw and must not be disturbed (and a recompute), shared around any other
+// forward that may draw.
 class RngLocks {
  public:
   void exclusive(const at::Generator& g) { unique_.emplace_back(lock_for(g)); }
@@ -151,59 +152,173 @@ class RngLocks {
   std::vector<std::shared_lock<std::shared_mutex>> shared_;
 };
 
+// How a cell's forward treats one of its stage's generators (see the table
+// above Stage::forward).
+enum class Draw : uint8_t { Free, Shared, Verify, Snapshot, Own };
+
+// The live states of the generators a cell gave a stream of its own, put
+// back however the cell ends (before its locks go: declared after them).
+class LiveStates {
+ public:
+  explicit LiveStates(std::vector<at::Generator>& gens) : gens_(gens), live_(gens.size()) {}
+  ~LiveStates() { restore(); }
+  LiveStates(const LiveStates&) = delete;
+  LiveStates& operator=(const LiveStates&) = delete;
+  void save(size_t g) { live_[g] = get_state(gens_[g]); }
+  void restore() {
+    for (size_t g = 0; g < live_.size(); ++g) {
+      if (live_[g].defined()) set_state(gens_[g], live_[g]);
+      live_[g] = at::Tensor();
+    }
+  }
+
+ private:
+  std::vector<at::Generator>& gens_;
+  std::vector<at::Tensor> live_;
+};
+
 }  // namespace
 
 Stage::Stage(int64_t index, std::unique_ptr<Layers> layers, c10::Device device)
     : index_(index),
       layers_(std::move(layers)),
       lane_(make_lane(device)),
-      generators_(generators_for(lane_.device)) {
+      generators_(generators_for(lane_.device)),
+      shared_(generators_.size(), false) {
   TORCH_INTERNAL_ASSERT(generators_.size() <= draws_.size());
 }
 
-// Random draws of a checkpointed cell (RNG rule, rng.h). The cell snapshots
-// every generator of its device before its forward and compares after:
+void Stage::set_shared_generators(std::vector<bool> shared) {
+  TORCH_INTERNAL_ASSERT(shared.size() == generators_.size());
+  shared_ = std::move(shared);
+}
+
+void Stage::begin_step() {
+  for (size_t g = 0; g < generators_.size(); ++g) {
+    draws_[g].store(drew_[g].exchange(false) ? kDraws : kUnknown);
+  }
+}
+
+// Random draws of a cell (RNG rule, rng.h), per generator g of the stage.
+// `own`: the step gives cells streams of their own on g (the step has several
+// micro-batches and other workers draw from g too). draws_[g] is what the
+// stage's cells are known to do in this step: relearned at each step's start
+// (begin_step: "yes" if a cell drew in the step before, else unknown), so a
+// model switched from eval to train is not taken for one that never draws.
 //
-//   draws_[g]        lock on g     after the forward
-//   unknown or yes   exclusive     drew: keep the snapshot for the replay;
-//                                  learn yes/no where unknown
-//   no               shared        unchanged: nothing to replay. Changed:
-//                                  this cell or a concurrent one drew, and
-//                                  the snapshot may not be this cell's, so
-//                                  the cell keeps the graph it built (no
-//                                  replay needed) and g becomes "yes".
+//   case                          draws_[g]      lock        around the forward
+//   own                           unknown, yes   exclusive   Own: g set to the cell's stream
+//                                                            (cell_seed), the live state put
+//                                                            back after; drew: the stream's
+//                                                            start is the replay's state
+//   own                           no             shared      Verify (below)
+//   checkpointed, not own         unknown, yes   exclusive   Snapshot: drew: the live state
+//                                                            before is the replay's state
+//   checkpointed, not own         no             shared      Verify (below)
+//   graph, run with checkpoints   -              shared      Shared: may draw, but not while a
+//                                                            checkpointed cell snapshots
+//   otherwise                     -              none        Free
 //
-// So every cell is exact, including a layer that draws only on some
-// micro-batches, and a stage that never draws keeps full concurrency.
-Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint) {
-  if (!at::GradMode::is_enabled()) {
+// Own and Snapshot learn "draws" or "does not draw" where unknown. Verify
+// checks the state after: unchanged, nothing to replay. Changed (this cell or
+// a concurrent one drew): the snapshot may not be this cell's, so a
+// checkpointed cell keeps the graph it built (no replay needed), and g
+// becomes "yes". Where g is own, the draw came from the live generator in
+// the threads' order: that step is not reproducible (warned once). Only a
+// stage whose first cell of a step draws nothing while a later one draws,
+// in a step after one where it drew nothing, does that.
+//
+// So every cell is exact, a layer may draw on some micro-batches only, a
+// stage that never draws keeps full concurrency (after one exclusive cell
+// per step), and with own streams a cell's numbers depend on the seed, its
+// stage and its micro-batch only: seeded runs are bitwise reproducible.
+Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint,
+                     const CellDraws& draws) {
+  const bool graph = at::GradMode::is_enabled();
+  checkpoint = checkpoint && graph;
+  const size_t gens = generators_.size();
+  std::vector<Draw> how(gens, Draw::Free);
+  for (size_t g = 0; g < gens; ++g) {
+    const bool own = draws.step_seed.has_value() && shared_[g];
+    const bool drawless = draws_[g].load() == kDrawsNot;
+    if (own) {
+      how[g] = drawless ? Draw::Verify : Draw::Own;
+    } else if (checkpoint) {
+      how[g] = drawless ? Draw::Verify : Draw::Snapshot;
+    } else if (graph && any_checkpoint) {
+      how[g] = Draw::Shared;
+    }
+  }
+
+  RngLocks locks;
+  LiveStates live(generators_);
+  std::vector<at::Tensor> before(gens);
+  for (size_t g = 0; g < gens; ++g) {
+    switch (how[g]) {
+      case Draw::Free:
+        break;
+      case Draw::Shared:
+        locks.shared(generators_[g]);
+        break;
+      case Draw::Verify:
+        locks.shared(generators_[g]);
+        before[g] = get_state(generators_[g]);
+        break;
+      case Draw::Snapshot:
+        locks.exclusive(generators_[g]);
+        before[g] = get_state(generators_[g]);
+        break;
+      case Draw::Own:
+        locks.exclusive(generators_[g]);
+        live.save(g);
+        reseed(generators_[g], cell_seed(*draws.step_seed, index_, draws.microbatch, g));
+        before[g] = get_state(generators_[g]);
+        break;
+    }
+  }
+  // After the forward: learns what the cell drew, keeps the states a replay
+  // needs (checkpointed), and puts the live states back. False when a
+  // checkpointed cell drew what no snapshot covers.
+  auto settle_draws = [&] {
+    bool replayable = true;
+    if (checkpoint) cell.rng_before.assign(gens, at::Tensor());
+    for (size_t g = 0; g < gens; ++g) {
+      if (how[g] == Draw::Free || how[g] == Draw::Shared) continue;
+      const bool drew = !same_state(before[g], get_state(generators_[g]));
+      if (drew) drew_[g].store(true);
+      if (how[g] == Draw::Verify) {
+        if (!drew) continue;
+        replayable = false;
+        draws_[g].store(kDraws);
+        if (draws.step_seed) {
+          TORCH_WARN_ONCE("gpipe: stage ", index_, " drew random numbers on micro-batch ",
+                          draws.microbatch, " although its first micro-batch of this step drew "
+                          "none; those draws followed the threads' timing, so this step is not "
+                          "bitwise reproducible (the next steps are while the stage draws)");
+        }
+        continue;
+      }
+      if (drew && checkpoint) cell.rng_before[g] = std::move(before[g]);
+      int unknown = kUnknown;
+      draws_[g].compare_exchange_strong(unknown, drew ? kDraws : kDrawsNot);
+    }
+    live.restore();
+    return replayable;
+  };
+
+  if (!graph) {
     // Inference: no graph, nothing kept.
-    return run_layers(*layers_, input);
+    Batch out = run_layers(*layers_, input);
+    settle_draws();
+    return out;
   }
   cell.input_atomic = input.atomic;
   const auto flags = grad_flags(input);
-  const size_t gens = generators_.size();
-
-  RngLocks locks;
   bool saved_copy = false;
-  std::vector<at::Tensor> before(gens);
-  std::vector<bool> verify_only(gens, false);
   if (checkpoint) {
     cell.saved_requires_grad = flags;
     saved_copy = mutates_input_.load() != kKeeps;
     cell.saved = saved_copy ? cloned(input) : input;
-    for (size_t g = 0; g < gens; ++g) {
-      verify_only[g] = draws_[g].load() == kDrawsNot;
-      if (verify_only[g]) {
-        locks.shared(generators_[g]);
-      } else {
-        locks.exclusive(generators_[g]);
-      }
-      before[g] = get_state(generators_[g]);
-    }
-  } else if (any_checkpoint) {
-    // May draw while a checkpointed cell elsewhere snapshots: not then.
-    for (const auto& g : generators_) locks.shared(g);
   }
 
   const auto versions_before = versions(input);
@@ -219,6 +334,7 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
     out = run_layers(*layers_, entry.input);
   }
   window.close();
+  const bool replayable = settle_draws();
   cell.cut = cut_at_externals(out.values, window, entry.leaves);
   Batch leaving = leave(out, grad_flags(out));
   const bool mutated = versions(input) != versions_before;
@@ -241,22 +357,6 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
                 " modified its input in place although it did not on earlier micro-batches, so "
                 "its checkpoint holds no copy to recompute from; use Checkpoint::Never for this "
                 "model, or make the in-place layer unconditional");
-  }
-
-  bool replayable = true;
-  cell.rng_before.assign(gens, at::Tensor());
-  for (size_t g = 0; g < gens; ++g) {
-    const bool drew = !same_state(before[g], get_state(generators_[g]));
-    if (verify_only[g]) {
-      if (drew) {
-        replayable = false;
-        draws_[g].store(kDraws);
-      }
-      continue;
-    }
-    if (drew) cell.rng_before[g] = std::move(before[g]);
-    int unknown = kUnknown;
-    draws_[g].compare_exchange_strong(unknown, drew ? kDraws : kDrawsNot);
   }
   if (!replayable) return keep_graph();
 

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -89,6 +90,14 @@ struct Cell {
   std::shared_ptr<WeightSplit> split;
 };
 
+/// What a cell's forward needs to know about the step's random streams.
+struct CellDraws {
+  int64_t microbatch = 0;
+  /// Set when the step gives each cell a stream of its own on the shared
+  /// generators (several micro-batches; see rng.h): the step's seed.
+  std::optional<uint64_t> step_seed;
+};
+
 class Stage {
  public:
   Stage(int64_t index, std::unique_ptr<Layers> layers, c10::Device device);
@@ -103,13 +112,25 @@ class Stage {
   /// (checkpointed) only the input and the generator states. A checkpointed
   /// cell keeps its graph after all when its random draws could not be
   /// snapshotted (see rng.h). `any_checkpoint`: some cell of this run is
-  /// checkpointed, so every cell takes the generator locks. Returns the
-  /// outputs for the next stage, without history but with the grad flags
-  /// the next stage must honour.
+  /// checkpointed, so every cell takes the generator locks. `draws`: the
+  /// micro-batch and, when the step gives cells streams of their own, the
+  /// step's seed (see CellDraws). Returns the outputs for the next stage,
+  /// without history but with the grad flags the next stage must honour.
   /// A checkpointed cell watches its input: changed in place before the
   /// recompute, it makes the recompute refuse, as autograd's saved-tensor
   /// check would.
-  Batch forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint);
+  Batch forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint,
+                const CellDraws& draws);
+
+  /// Which of the stage's generators (see generators_for) other workers of
+  /// the pipe draw from too: those get a stream per cell when a step has
+  /// several micro-batches (rng.h). Set once, before the first step.
+  void set_shared_generators(std::vector<bool> shared);
+  const std::vector<bool>& shared_generators() const noexcept { return shared_; }
+  /// Starts a step: what the stage learned about its draws is relearned
+  /// (see Stage::forward), keeping only "draws" for a generator it drew from
+  /// in the step before.
+  void begin_step();
 
   /// The first half of B(i) for a checkpointed cell: rebuilds the stage's
   /// graph from the saved input with the saved generator states, under
@@ -150,9 +171,12 @@ class Stage {
   /// Whether the layers modify their input in place (0 unknown, 1 yes, 2
   /// no): a checkpointed cell must then save a copy to recompute from.
   std::atomic<int> mutates_input_{0};
-  /// Per generator: whether this stage's checkpointed cells draw from it
-  /// (unknown, yes, no), learned across calls; see stage.cpp.
+  /// Per generator: whether this stage's cells draw from it (unknown, yes,
+  /// no), learned in each step; see stage.cpp.
   std::array<std::atomic<int>, 2> draws_{};
+  /// Per generator: whether some cell of this step was seen drawing from it.
+  std::array<std::atomic<bool>, 2> drew_{};
+  std::vector<bool> shared_;
 };
 
 }  // namespace gpipe::detail

@@ -32,6 +32,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -45,19 +46,40 @@ namespace {
 using torch::autograd::Edge;
 
 // Where the step's grads for tensors outside the cells go, one entry per
-// outside edge, shared by every worker: a hook-free leaf accumulator gets
-// each grad as it arrives (through the entry's slot: a weight tied across
-// stages gets grads from two workers, on two streams; graph.h); anything
-// else (a hooked leaf, a non-leaf's grad_fn) gets the step's sum once at
-// the end, as autograd would hand it on.
+// outside edge, shared by every worker: a hook-free leaf accumulator that
+// one stage's cells reach gets each grad as it arrives (through the entry's
+// slot, graph.h), in that stage's fixed order; anything else (a hooked leaf,
+// a non-leaf's grad_fn, and in-process a leaf that cells of several stages
+// reach: a weight tied across stages) gets the step's sum once at the end,
+// as autograd would hand it on. That sum is kept per stage (each stage's
+// worker adds its cells' grads in its plan's order) and added in stage
+// order, so it does not depend on which worker came first: a seeded step
+// gives bitwise the same grads every time.
 class Outside {
  public:
   struct Entry {
     Edge edge;
     torch::autograd::AccumulateGrad* accumulate = nullptr;
     GradSlot slot;
-    at::Tensor sum;
+    /// Per stage (this engine's): whether its cells reach the edge (as
+    /// their forwards find), and the sum of its grads kept for the end.
+    std::vector<char> reached;
+    std::vector<at::Tensor> sums;
   };
+
+  /// `stages`: this engine's; `tied_apart`: whether a leaf several stages
+  /// reach has its grads summed at the end (in-process: the stages' workers
+  /// would race; over a group one worker runs a rank's stages in order, and
+  /// the grad reducer reads .grad as each stage finishes).
+  Outside(size_t stages, bool tied_apart) : stages_(stages), tied_apart_(tied_apart) {}
+
+  /// Notes that (local) stage `stage`'s cell reaches `cut`'s external
+  /// edges. Called after each forward, before its outputs go on: every
+  /// forward of a micro-batch is noted before any backward of it starts.
+  void reach(const Cut& cut, size_t stage) {
+    std::lock_guard<std::mutex> hold(mutex_);
+    for (const Edge& edge : cut.externals) entry(edge).reached[stage] = 1;
+  }
 
   /// The sinks for `cut`'s external edges, and their entries.
   std::vector<ExternalSink> sinks(const Cut& cut, std::vector<Entry*>& entries) {
@@ -65,41 +87,42 @@ class Outside {
     std::vector<ExternalSink> out(cut.externals.size());
     entries.assign(cut.externals.size(), nullptr);
     for (size_t e = 0; e < cut.externals.size(); ++e) {
-      const Edge& edge = cut.externals[e];
-      auto& slot = by_edge_[Key(edge.function.get(), edge.input_nr)];
-      if (!slot) {
-        slot = std::make_unique<Entry>();
-        slot->edge = edge;
-        slot->accumulate = plain_accumulator(edge);
-        order_.push_back(slot.get());
-      }
-      entries[e] = slot.get();
+      Entry& entry = this->entry(cut.externals[e]);
+      int stages = 0;
+      for (char r : entry.reached) stages += r;
+      entries[e] = &entry;
       out[e].wanted = true;
-      out[e].accumulate = slot->accumulate;
-      out[e].slot = &slot->slot;
+      out[e].accumulate = tied_apart_ && stages > 1 ? nullptr : entry.accumulate;
+      out[e].slot = &entry.slot;
     }
     return out;
   }
 
-  /// Adds what a cell's backward returned for edges without a plain
-  /// accumulator.
-  static void add(const std::vector<Entry*>& entries, std::vector<at::Tensor>& grads) {
+  /// Adds what (local) stage `stage`'s cell's backward returned (for edges
+  /// not accumulated straight into .grad) into that stage's sums.
+  static void add(const std::vector<Entry*>& entries, std::vector<at::Tensor>& grads,
+                  size_t stage) {
     for (size_t e = 0; e < grads.size(); ++e) {
       if (!grads[e].defined()) continue;
-      Entry& entry = *entries[e];
-      std::lock_guard<std::mutex> hold(entry.slot.mutex);
-      const c10::Device device = grads[e].device();
-      entry.slot.after_last_write(device);
-      if (entry.sum.defined()) {
-        // The old sum, perhaps made on another worker's stream, is freed as
-        // it is replaced while the add reading it is still queued here.
-        record_on_current_streams({entry.sum});
-        entry.sum = entry.sum + grads[e];
-      } else {
-        entry.sum = std::move(grads[e]);
-      }
-      entry.slot.wrote(device);
+      // Only this stage's worker writes its sum, on its compute stream.
+      at::Tensor& sum = entries[e]->sums[stage];
+      sum = sum.defined() ? sum + grads[e] : std::move(grads[e]);
     }
+  }
+
+  /// The step's sum for `entry` (stage by stage), or undefined when all of
+  /// its grads went straight into .grad. Call on the caller's streams once
+  /// they wait for every stage.
+  static at::Tensor total(Entry& entry) {
+    at::Tensor sum;
+    for (auto& part : entry.sums) {
+      if (!part.defined()) continue;
+      // Made on its stage's stream, read on the current one.
+      record_on_current_streams({part});
+      sum = sum.defined() ? sum + part : part;
+      part = at::Tensor();
+    }
+    return sum;
   }
 
   const std::vector<Entry*>& entries() const noexcept { return order_; }
@@ -115,12 +138,28 @@ class Outside {
   }
 
  private:
+  // (under mutex_)
+  Entry& entry(const Edge& edge) {
+    auto& slot = by_edge_[Key(edge.function.get(), edge.input_nr)];
+    if (!slot) {
+      slot = std::make_unique<Entry>();
+      slot->edge = edge;
+      slot->accumulate = plain_accumulator(edge);
+      slot->reached.assign(stages_, 0);
+      slot->sums.resize(stages_);
+      order_.push_back(slot.get());
+    }
+    return *slot;
+  }
+
   using Key = std::pair<const torch::autograd::Node*, uint32_t>;
   struct Hash {
     size_t operator()(const Key& key) const noexcept {
       return std::hash<const void*>()(key.first) * 31 + key.second;
     }
   };
+  size_t stages_;
+  bool tied_apart_;
   std::mutex mutex_;
   std::unordered_map<Key, std::unique_ptr<Entry>, Hash> by_edge_;
   std::vector<Entry*> order_;
@@ -396,6 +435,7 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
   const int64_t step = tracer_.enabled() ? tracer_.next_step() : 0;
   const int64_t stop = training ? checkpointed_microbatches(checkpoint_, m) : 0;
   const at::ThreadLocalState forward_state;
+  const std::optional<uint64_t> seed = begin_draws(m);
 
   // As in forward: each micro-batch counts its versions on its own.
   const auto ready = from_current_streams(input).ready;
@@ -423,7 +463,7 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
   std::vector<Batch> output_grads(static_cast<size_t>(m));
   std::vector<at::Tensor> losses(static_cast<size_t>(m));
   std::vector<Payload> input_grads(static_cast<size_t>(m));
-  Outside outside;
+  Outside outside(stages_.size(), /*tied_apart=*/!transport_);
   // The reducer reads tied leaves' grads after every stage's writes (graph.h).
   struct UnsetSlots {
     GradReducer* reducer;
@@ -468,8 +508,9 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
         return;  // cancelled
       }
       Span span(tracer_, step, s, i, TracePhase::Forward, lane.compute);
-      Batch y = stage.forward(cell, x, i < stop, stop > 0);
+      Batch y = stage.forward(cell, x, i < stop, stop > 0, CellDraws{i, seed});
       span.finish();
+      if (loss_fn) outside.reach(cell.cut, local(s));
       if (s + 1 < s_count) {
         // Skips first: the popping stage gets them before micro-batch i.
         auto ready = mark(lane.compute);
@@ -519,7 +560,7 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
       auto sinks = outside.sinks(cell.cut, entries);
       Span span(tracer_, step, s, i, TracePhase::WeightGrad, lane.compute);
       stage.backward_weight(cell, sinks, external_grads);
-      Outside::add(entries, external_grads);
+      Outside::add(entries, external_grads, local(s));
       span.finish();
       return;
     }
@@ -557,7 +598,7 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
       dx = t.op == Op::B
                ? stage.backward(cell, dy, /*keep_graph=*/false, wanted, sinks, external_grads)
                : stage.backward_input(cell, dy, wanted, sinks, external_grads);
-      Outside::add(entries, external_grads);
+      Outside::add(entries, external_grads, local(s));
       span.finish();
     }
     auto ready = mark(lane.compute);
@@ -638,9 +679,10 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
     }
   }
   for (auto* entry : outside.entries()) {
-    if (entry->accumulate != nullptr || !entry->sum.defined()) continue;
+    at::Tensor sum = Outside::total(*entry);
+    if (!sum.defined()) continue;
     roots.push_back(entry->edge);
-    root_grads.push_back(std::move(entry->sum));
+    root_grads.push_back(std::move(sum));
   }
   if (!roots.empty()) {
     torch::autograd::Engine::get_default_engine().execute(roots, root_grads, /*keep_graph=*/false,

@@ -186,3 +186,158 @@ TEST_CASE("a layer that draws on some micro-batches only replays exactly on ever
     }
   }
 }
+
+// ---- seeded runs are reproducible (issue 22 item 4) -------------------------------
+//
+// Four CPU stages on four workers, dropout in three of them, four
+// micro-batches: the stages draw at once. The same seed must give bitwise the
+// same outputs, loss and grads on every run, whatever the threads' timing.
+
+namespace {
+
+/// x @ other.weight^T: uses a weight of another layer (in another stage),
+/// which it does not register: a weight tied across stages.
+class TiedLinearImpl : public torch::nn::Cloneable<TiedLinearImpl> {
+ public:
+  explicit TiedLinearImpl(torch::nn::Linear other) : other_(std::move(other)) {}
+  void reset() override {}
+  torch::Tensor forward(const torch::Tensor& x) { return x.matmul(other_->weight.t()); }
+
+ private:
+  torch::nn::Linear other_;
+};
+TORCH_MODULE(TiedLinear);
+
+constexpr int64_t kWidth = 96;
+
+/// 8 layers, balance {2, 2, 2, 2}: dropout in stages 0, 1 and 3 (stage 2
+/// draws nothing), float32 (where summation order shows most). `tied`: the
+/// last layer reuses the first Linear's weight, and no layer draws (the
+/// grads' summation order alone is on trial).
+torch::nn::Sequential drawing_model(bool tied) {
+  using namespace torch::nn;
+  torch::manual_seed(17);
+  Linear first(kWidth, kWidth);
+  auto drop = [tied](double p) { return tied ? AnyModule(Identity()) : AnyModule(Dropout(p)); };
+  Sequential model(first);
+  model->push_back(drop(0.3));
+  model->push_back(Linear(kWidth, kWidth));
+  model->push_back(drop(0.5));
+  model->push_back(Linear(kWidth, kWidth));
+  model->push_back(Tanh());
+  model->push_back(drop(0.2));
+  if (tied) {
+    model->push_back(TiedLinear(first));
+  } else {
+    model->push_back(Linear(kWidth, kWidth));
+  }
+  return model;
+}
+
+gpipe::PipeOptions four_cpu_stages(Checkpoint mode, int64_t chunks) {
+  return PipeOptions()
+      .balance({2, 2, 2, 2})
+      .devices(std::vector<c10::Device>(4, torch::kCPU))
+      .chunks(chunks)
+      .checkpoint(mode);
+}
+
+/// Everything a run leaves: outputs (or losses), the input's grad, every
+/// parameter's grad, and the generator's next numbers.
+struct Outcome {
+  std::vector<torch::Tensor> tensors;
+};
+
+void check_bitwise_equal(const Outcome& a, const Outcome& b, int run) {
+  REQUIRE(a.tensors.size() == b.tensors.size());
+  for (size_t k = 0; k < a.tensors.size(); ++k) {
+    INFO("run " << run << ", tensor " << k << " of " << a.tensors.size());
+    REQUIRE(a.tensors[k].defined() == b.tensors[k].defined());
+    if (a.tensors[k].defined()) CHECK(torch::equal(a.tensors[k], b.tensors[k]));
+  }
+}
+
+void keep_grads(const torch::nn::Module& module, Outcome& out) {
+  for (const auto& p : module.parameters()) out.tensors.push_back(p.grad().clone());
+}
+
+// Two drop-in steps (forward, backward) from one seed on a fresh Pipe.
+Outcome drop_in_run(Checkpoint mode, bool tied, int64_t chunks) {
+  gpipe::Pipe pipe(drawing_model(tied), four_cpu_stages(mode, chunks));
+  Outcome out;
+  torch::manual_seed(1234);
+  for (int step = 0; step < 2; ++step) {
+    auto x = torch::randn({64, kWidth}).requires_grad_(true);
+    auto y = pipe->forward(x);
+    (y * y).sum().backward();
+    out.tensors.push_back(y.detach());
+    out.tensors.push_back(x.grad());
+  }
+  keep_grads(*pipe, out);
+  out.tensors.push_back(torch::rand({4}));
+  return out;
+}
+
+// Two train_steps from one seed on a fresh Pipe.
+Outcome train_step_run(gpipe::Schedule schedule, Checkpoint mode, bool tied) {
+  auto options = four_cpu_stages(mode, 4).schedule(schedule);
+  if (schedule == gpipe::Schedule::Interleaved1F1B) {
+    options.devices(std::vector<c10::Device>(2, torch::kCPU)).virtual_stages(2);
+  }
+  gpipe::Pipe pipe(drawing_model(tied), options);
+  Outcome out;
+  torch::manual_seed(1234);
+  for (int step = 0; step < 2; ++step) {
+    auto x = torch::randn({64, kWidth}).requires_grad_(true);
+    auto target = torch::randn({64, kWidth});
+    out.tensors.push_back(pipe->train_step(x, target, [](const torch::Tensor& o,
+                                                         const torch::Tensor& t) {
+      return torch::mse_loss(o, t);
+    }));
+    out.tensors.push_back(x.grad());
+  }
+  keep_grads(*pipe, out);
+  out.tensors.push_back(torch::rand({4}));
+  return out;
+}
+
+constexpr int kRuns = 4;
+
+}  // namespace
+
+TEST_CASE("rng: a seeded drop-in run is bitwise reproducible, 4 CPU stages drawing at once",
+          "[rng]") {
+  const auto mode = GENERATE(Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never);
+  CAPTURE(mode);
+  const Outcome first = drop_in_run(mode, /*tied=*/false, 4);
+  for (int run = 1; run < kRuns; ++run) check_bitwise_equal(first, drop_in_run(mode, false, 4), run);
+}
+
+TEST_CASE("rng: a seeded train_step is bitwise reproducible in every schedule", "[rng]") {
+  const auto schedule = GENERATE(gpipe::Schedule::GPipe, gpipe::Schedule::OneFOneB,
+                                 gpipe::Schedule::Interleaved1F1B, gpipe::Schedule::ZBH1);
+  const auto mode = GENERATE(Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never);
+  CAPTURE(schedule, mode);
+  const Outcome first = train_step_run(schedule, mode, /*tied=*/false);
+  for (int run = 1; run < kRuns; ++run) {
+    check_bitwise_equal(first, train_step_run(schedule, mode, false), run);
+  }
+}
+
+TEST_CASE("rng: a weight tied across CPU stages gets bitwise the same grad on every run",
+          "[rng]") {
+  const auto mode = GENERATE(Checkpoint::Always, Checkpoint::Never);
+  CAPTURE(mode);
+  SECTION("drop-in") {
+    const Outcome first = drop_in_run(mode, /*tied=*/true, 4);
+    for (int run = 1; run < kRuns; ++run) check_bitwise_equal(first, drop_in_run(mode, true, 4), run);
+  }
+  SECTION("train_step") {
+    const auto schedule = GENERATE(gpipe::Schedule::OneFOneB, gpipe::Schedule::ZBH1);
+    CAPTURE(schedule);
+    const Outcome first = train_step_run(schedule, mode, /*tied=*/true);
+    for (int run = 1; run < kRuns; ++run) {
+      check_bitwise_equal(first, train_step_run(schedule, mode, true), run);
+    }
+  }
+}
