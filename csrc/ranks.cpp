@@ -44,6 +44,13 @@ std::vector<Setting> decode(const std::string& text) {
   return settings;
 }
 
+// The sum over the group of a host tensor, all_reduced on `device`, back on the host.
+at::Tensor summed(c10d::ProcessGroup& group, c10::Device device, const at::Tensor& host) {
+  std::vector<at::Tensor> tensors{host.to(device)};
+  group.allreduce(tensors)->wait();
+  return tensors[0].to(at::kCPU);
+}
+
 // Every rank's text: rank r writes row r of a [ranks, longest] table of
 // zeros, and the sum over the group is every row.
 std::vector<std::string> gather(c10d::ProcessGroup& group, c10::Device device,
@@ -52,20 +59,15 @@ std::vector<std::string> gather(c10d::ProcessGroup& group, c10::Device device,
   if (ranks == 1) return {mine};  // (a group of one may have no backend)
   const int64_t rank = group.getRank();
   const auto cpu = at::TensorOptions().dtype(at::kInt);
-  auto all_reduce = [&](const at::Tensor& host) {
-    std::vector<at::Tensor> tensors{host.to(device)};
-    group.allreduce(tensors)->wait();
-    return tensors[0].to(at::kCPU);
-  };
   at::Tensor lengths = at::zeros({ranks}, cpu);
   lengths.data_ptr<int32_t>()[rank] = static_cast<int32_t>(mine.size());
-  lengths = all_reduce(lengths);
+  lengths = summed(group, device, lengths);
   const int32_t* length = lengths.data_ptr<int32_t>();
   const int64_t longest = *std::max_element(length, length + ranks);
   at::Tensor table = at::zeros({ranks, std::max<int64_t>(longest, 1)}, cpu);
   int32_t* row = table.data_ptr<int32_t>() + rank * table.size(1);
   for (size_t k = 0; k < mine.size(); ++k) row[k] = static_cast<unsigned char>(mine[k]);
-  table = all_reduce(table);
+  table = summed(group, device, table);
   std::vector<std::string> texts;
   for (int64_t r = 0; r < ranks; ++r) {
     const int32_t* cells = table.data_ptr<int32_t>() + r * table.size(1);
@@ -108,11 +110,7 @@ std::vector<StepStart> exchange_step_start(c10d::ProcessGroup& group, c10::Devic
   };
   put(1, mine.input_rows);
   put(2 + chunks, mine.target_rows);
-  if (ranks > 1) {
-    std::vector<at::Tensor> tensors{table.to(device)};
-    group.allreduce(tensors)->wait();
-    table = tensors[0].to(at::kCPU);
-  }
+  if (ranks > 1) table = summed(group, device, table);
   std::vector<StepStart> all(static_cast<size_t>(ranks));
   bool any_error = false;
   for (int64_t r = 0; r < ranks; ++r) {

@@ -389,4 +389,19 @@ inline double seconds_to_drop_after_failure(gpipe::Pipe& pipe, const torch::Tens
       limit);
 }
 
+/// tanh(x W^T) with a W it is given: layers built on one W share it (a
+/// weight tied across layers, as a GPT's embedding and lm_head). clone()
+/// unties them: build each copy of such a model afresh.
+class TiedImpl : public torch::nn::Cloneable<TiedImpl> {
+ public:
+  explicit TiedImpl(torch::Tensor w) : w_(std::move(w)) { reset(); }
+  void reset() override { weight = register_parameter("weight", w_); }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(x.matmul(weight.t())); }
+  torch::Tensor weight;
+
+ private:
+  torch::Tensor w_;
+};
+TORCH_MODULE(Tied);
+
 }  // namespace gpipe_test

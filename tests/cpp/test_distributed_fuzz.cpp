@@ -223,20 +223,6 @@ TORCH_MODULE(TPop);
 
 // ---- a configuration ----------------------------------------------------------
 
-/// tanh(x W^T) with a W it is given: two of these share one W (a weight
-/// tied across stages, and across ranks where they fall on two).
-class TiedImpl : public torch::nn::Cloneable<TiedImpl> {
- public:
-  explicit TiedImpl(torch::Tensor w) : w_(std::move(w)) { reset(); }
-  void reset() override { weight = register_parameter("weight", w_); }
-  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(x.matmul(weight.t())); }
-  torch::Tensor weight;
-
- private:
-  torch::Tensor w_;
-};
-TORCH_MODULE(Tied);
-
 enum class Kind {
   Linear, Tanh, Stash, Pop, Fork, Join, Mix, TTanh, Split, Widen, Merge, TStash, TPop, Tied
 };

@@ -20,20 +20,6 @@ using namespace std::chrono_literals;
 
 constexpr int64_t kWidth = 6;
 
-/// tanh(x W^T) with a W it is given: one use of a weight tied to another
-/// layer's (a GPT's embedding and lm_head).
-class TiedImpl : public torch::nn::Cloneable<TiedImpl> {
- public:
-  explicit TiedImpl(torch::Tensor w) : w_(std::move(w)) { reset(); }
-  void reset() override { weight = register_parameter("weight", w_); }
-  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(x.matmul(weight.t())); }
-  torch::Tensor weight;
-
- private:
-  torch::Tensor w_;
-};
-TORCH_MODULE(Tied);
-
 /// Eight layers whose first and last share one weight; the same values
 /// every call (each rank builds its own, as every process would).
 torch::nn::Sequential tied_model() {
