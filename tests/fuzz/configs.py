@@ -17,14 +17,17 @@ configurations run the whole training step inside the pipeline instead
 :func:`_train_step`). About a quarter carry skip connections (``gpipe.skip``
 stash/pop pairs at random places, relays, None skips, namespaces:
 :func:`_skips`); half of those run over as many stages as the fuzzer uses
-(:func:`_skip_balance`), so skips cross 1 to K-1 stage boundaries. :meth:`Config.body` is the Python that builds it and
+(:func:`_skip_balance`), so skips cross 1 to K-1 stage boundaries. About a seventh carry a Linear's
+weight tied into a later stage (:func:`_ties`: a pair of ``TiedLinear`` layers,
+and a stage boundary moved between the Linear and them), so one leaf gets
+grads from two stages. :meth:`Config.body` is the Python that builds it and
 calls :func:`compare.check`; :func:`shrink` simplifies a failing one while the
 same kind of mismatch remains (keeping its schedule; a skip's stash, relays and
 pop go together, so every smaller model stays valid).
 
 Each option added since the first version (the batch dim variants, train_step,
-skips)
-is drawn from its own generator, seeded by the seed and the option's name, so
+skips, ties
+across stages) is drawn from its own generator, seeded by the seed and the option's name, so
 the configurations of existing seeds stay as they were: a seed that draws no
 variant and no train_step runs exactly the model and configuration it ran
 before.
@@ -308,7 +311,8 @@ def features_of(cfg: Config) -> List[str]:
     'train_step' with the schedule's name ('gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1') and
     'virtual_stages' (more than one stage per device) in place of the backward mode; 'skips'
     (any skip connection, the layer kinds 'stash', 'pop', 'relay'), 'skip-crossing' (one
-    crosses a stage boundary), 'skip-namespace' (isolated), 'skip-none' (a None skip)."""
+    crosses a stage boundary), 'skip-namespace' (isolated), 'skip-none' (a None skip);
+    'tie-crossing' (a TiedLinear in another stage than its Linear)."""
     found = {s.kind for s in cfg.layers} | {cfg.checkpoint}
     found |= {"train_step", cfg.step} if cfg.step else {cfg.backward}
     found |= {"virtual_stages"} if cfg.virtual_stages > 1 else set()
@@ -326,7 +330,15 @@ def features_of(cfg: Config) -> List[str]:
     found |= {"skip-crossing"} if any(spans.values()) else set()
     found |= {"skip-namespace"} if any(".isolate(" in s.src for s in cfg.layers) else set()
     found |= {"skip-none"} if any("'none'" in s.src for s in cfg.layers) else set()
+    found |= {"tie-crossing"} if any(tie_spans(cfg)) else set()
     return sorted(found)
+
+
+def tie_spans(cfg: Config) -> List[int]:
+    """How many stage boundaries lie between each TiedLinear and the Linear it uses."""
+    stage = [j for j, b in enumerate(cfg.balance) for _ in range(b)]
+    return [stage[i] - stage[s.ref] for i, s in enumerate(cfg.layers)
+            if s.kind == "tied" and s.ref is not None]
 
 
 def skip_spans(cfg: Config) -> Dict[int, int]:
@@ -495,6 +507,61 @@ def _skips(seed: int, body: List[LayerSpec],
     return [replace(s, ref=None if s.ref is None else moved[s.ref]) for s in layers], namespaces
 
 
+#: The share of configurations given a weight tied across stages (see :func:`_ties`).
+TIE_ODDS = 0.3
+
+
+def _ties(seed: int, body: List[LayerSpec],
+          sig: Tuple[Any, ...]) -> Tuple[List[LayerSpec], bool]:
+    """Now and then ``body`` (whose input signature is ``sig``) with a Linear's weight used
+    again further on: two TiedLinear layers of that weight, one transposed, inserted where a
+    flat tensor as wide as one of the Linear's sides flows (leaning late), so the pair keeps the
+    signature (d -> the other side -> d). Returns the layers and whether the option was drawn
+    (then :func:`_tie_balance` puts a stage boundary between a TiedLinear and its Linear)."""
+    # Its own generator (see the module docstring): configurations without it are as before.
+    rng = random.Random(f"ties {seed}")
+    if rng.random() >= TIE_ODDS:
+        return body, False
+    sigs = [sig] + [s.sig_out for s in body]
+    linears = [i for i, s in enumerate(body) if s.kind == "linear"]
+    trainable = [i for i in linears if not body[i].frozen]
+    if not linears:
+        return body, True  # a tie drawn by _pick_layer (none without a Linear) may still cross
+    i = rng.choice(trainable or linears)
+    slots = [p for p in range(i + 1, len(sigs)) if sigs[p][0] == "flat"
+             and sigs[p][1] in body[i].dims]  # slot p: in front of body[p] (or at the end)
+    p = max(rng.choice(slots), rng.choice(slots))
+    a, b = body[i].dims  # Linear(a, b): weight (b, a); F.linear maps a -> b, x @ W maps b -> a
+    d = sigs[p][1]
+    first = d == b and (d != a or rng.random() < 0.5)  # transposed first: d (= b) -> a -> b
+    mid = a if first else b
+    pair = [LayerSpec("tied", f"TiedLinear(layers[{{ref}}], transpose={t})", ("flat", w_in),
+                      ("flat", w_out), ref=i)
+            for t, w_in, w_out in ((first, d, mid), (not first, mid, d))]
+    shifted = [replace(s, ref=None if s.ref is None else s.ref + 2 * (s.ref >= p)) for s in body]
+    return shifted[:p] + pair + shifted[p:], True
+
+
+def _tie_balance(seed: int, cfg: Config) -> Config:
+    """``cfg`` with a stage boundary between some TiedLinear and its Linear: as drawn where one
+    crosses already; else one cut moved there (the number of stages kept, so virtual stages
+    still divide them), or a single stage split there."""
+    rng = random.Random(f"tie balance {seed}")
+    ties = [(s.ref, i) for i, s in enumerate(cfg.layers) if s.kind == "tied" and s.ref is not None]
+    if not ties or any(tie_spans(cfg)):
+        return cfg
+    ref, i = rng.choice(ties)
+    c = rng.randint(ref + 1, i)  # a cut in front of layer c
+    n = len(cfg.layers)
+    cuts = [sum(cfg.balance[:j]) for j in range(1, len(cfg.balance))]
+    if cuts:  # none lies in (ref, i]: move the nearest there
+        cuts[min(range(len(cuts)), key=lambda k: abs(cuts[k] - c))] = c
+        cuts.sort()
+    else:
+        cuts = [c]
+    return replace(cfg, balance=[y - x for x, y in zip([0] + cuts, cuts + [n])])
+
+
 def _skip_balance(seed: int, balance: List[int]) -> List[int]:
     """A skip configuration's balance: half the time as drawn, else over as many stages as
     the fuzzer runs (4, or one per layer), so that skips cross more than one boundary."""
@@ -534,6 +601,7 @@ def generate(seed: int) -> Config:
         for s in layers:
             s.frozen = s.kind in ("linear", "layernorm", "split", "conv", "mix", "first-only",
                                   "join", "masked")
+    layers, tied = _ties(seed, layers, first)
     layers, namespaces = _skips(seed, layers, first)
     layers, inputs, batch_dim, output_batch_dim = _batch_dims(seed, layers, inputs, sig)
     n = len(layers)
@@ -553,6 +621,8 @@ def generate(seed: int) -> Config:
                  no_grad=rng.random() < 0.12, backward=backward, pre_grad=rng.random() < 0.25,
                  batch_dim=batch_dim, output_batch_dim=output_batch_dim, namespaces=namespaces)
     cfg = _train_step(seed, cfg)
+    if tied:
+        cfg = _tie_balance(seed, cfg)
     cfg.features = features_of(cfg)
     return cfg
 

@@ -42,6 +42,27 @@ def test_fixed_seeds_match_the_plain_model():
         f"model):\n" + "\n".join(lines))
 
 
+def test_fixed_seeds_draw_ties_across_stages():
+    """The fixed range ties a Linear's weight into later stages (a leaf whose grads two stages
+    sum, in the fixed order the RNG rule promises): with several micro-batches, under
+    train_step, in each checkpoint mode."""
+    fuzz = load_fuzz()
+    from configs import MODES, tie_spans  # noqa: E402
+
+    drawn = {}
+    for seed in SEEDS:
+        cfg = fuzz.generate(seed)
+        if "tie-crossing" not in cfg.features:
+            continue
+        assert max(tie_spans(cfg)) >= 1
+        for v in ("tie-crossing", cfg.checkpoint, "train_step" if cfg.step else "drop-in") + (
+                ("micro-batches",) if min(cfg.chunks, cfg.rows) > 1 else ()):
+            drawn[v] = drawn.get(v, 0) + 1
+    assert drawn.get("tie-crossing", 0) >= 30, drawn
+    assert drawn.get("micro-batches", 0) >= 20, drawn
+    assert all(drawn.get(v, 0) >= 5 for v in ("train_step", "drop-in") + MODES), drawn
+
+
 def test_fixed_seeds_draw_the_batch_dim_variants():
     """The fixed range runs the Pipe's batch_dim / output_batch_dim: batch-second inputs and
     outputs, an input not cut, an output not joined."""
