@@ -37,6 +37,18 @@ purpose; each is compared against what the rule says, never skipped silently:
   require grad (csrc/engine.cpp: without grad mode nothing is kept), while the
   plain model may return one of its inputs, or a view of one, which does: only
   that output's ``requires_grad`` is not compared.
+
+Reproducibility (README, "Random numbers"): a seeded run is bitwise
+reproducible, dropout masks and grad sums included. Compared with the plain
+model, dropout replays the Pipe's masks, which cannot tell whether the Pipe
+would draw them again; so :func:`check` then runs the Pipe again from the
+generator state its first run started from (as ``torch.manual_seed`` would
+leave it) and requires bitwise the same outputs, loss, returned grads and
+every ``.grad`` (:func:`_repeat`; category ``reproducibility``). The first
+run is a fresh Pipe's first step, the second its second step. The rule's one
+exception, a stage whose first micro-batch draws nothing drawing on a later
+one after a step in which it drew nothing (:class:`layers.CondDropout`), can
+make the first step differ: there the second and a third run are compared.
 """
 import copy
 import random
@@ -62,7 +74,8 @@ from reference import as_tuple as _as_tuple
 #: to ~5e-5 of the scale). float32 eps is 1.2e-7; 1e-4 of the scale is ~800 eps of headroom and
 #: still far below what a real bug (a missing, doubled or wrong micro-batch) changes: O(scale).
 TOL = {"float64": 1e-10, "float32": 1e-4}
-CATEGORIES = ("exception", "output", "requires_grad", "grad", "side-effect", "hang", "harness")
+CATEGORIES = ("exception", "output", "requires_grad", "grad", "side-effect", "reproducibility",
+              "hang", "harness")
 
 Tensors = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -84,6 +97,10 @@ class Findings(List[Mismatch]):
     #: None: the plain model; 'forward' or 'backward': the boundary-cloned model, chosen when
     #: the plain model raised an in-place error there.
     reference: Optional[str] = None
+    #: Whether the Pipe's run was repeated from the same seed (:func:`_repeat`), and whether
+    #: its dropout layers drew random numbers then.
+    repeated: bool = False
+    drew: bool = False
 
 
 def _leaf_copy(x: Tensors) -> Tensors:
@@ -149,16 +166,20 @@ class _Side:
         self.returned: Dict[str, Tensor] = {}
         self.grads: Dict[str, Optional[Tensor]] = {}
         self.loss: Optional[Tensor] = None  # train_step's references: the detached step_loss
+        #: What ran, in order (method name, arguments): :func:`_repeat` runs it again.
+        self.calls: List[Tuple[str, Tuple[Any, ...]]] = []
 
     def pool(self) -> Dict[str, Tensor]:
         """What a run may ask grads of: the inputs, then the grad targets."""
         return {**{f"input{k}": x for k, x in enumerate(_as_tuple(self.x))}, **self.targets}
 
     def forward(self) -> None:
+        self.calls.append(("forward", (torch.is_grad_enabled(),)))
         self.out, self.error = _attempt(lambda: self.model(self.x))
 
     def backward(self, weights: Sequence[Optional[Tensor]], mode: str, names: List[str],
                  initial: Dict[str, Optional[Tensor]]) -> None:
+        self.calls.append(("backward", (weights, mode, names, initial)))
         self._reset(initial)
         self.returned, self.error = _attempt(
             lambda: _backward(self.out, weights, self.pool(), mode, names))
@@ -170,6 +191,7 @@ class _Side:
 
     def train_step(self, target: Tensors, initial: Dict[str, Optional[Tensor]]) -> None:
         """The Pipe's side: forward, loss and backward in one call; ``out`` is the loss."""
+        self.calls.append(("train_step", (target, initial)))
         self._reset(initial)
         with torch.enable_grad():
             self.out, self.error = _attempt(
@@ -317,12 +339,15 @@ def _compare_grads(pipe: _Side, ref: _Side, mode: str, names: List[str],
 
 def check(pipe: nn.Module, ref: nn.Sequential, inputs: Tensors, *, training: bool = True,
           no_grad: bool = False, backward: str = "backward", pre_grad: bool = False,
-          tol: float = 1e-10, seed: int = 0, target: Optional[Tensors] = None) -> Findings:
+          tol: float = 1e-10, seed: int = 0, target: Optional[Tensors] = None,
+          repeat: bool = True) -> Findings:
     """Runs ``inputs`` through ``pipe`` and through ``ref`` (the plain copy, unused so far)
     forward and, unless ``no_grad``, backward as ``backward`` says, and lists every difference
     (against the boundary-cloned model where the module docstring says). With a ``target``:
     ``pipe.train_step(inputs, target, step_loss)`` against the plain model's step (``no_grad``
-    and ``backward`` do not apply)."""
+    and ``backward`` do not apply). ``repeat``: then the Pipe's run again from the same seed,
+    which must give bitwise the same (:func:`_repeat`)."""
+    state = torch.get_rng_state()  # where the Pipe's run starts: the seed _repeat reuses
     findings = Findings()
     balance = getattr(pipe, "balance", [len(ref)])
     chunks = getattr(pipe, "chunks", 1)
@@ -350,7 +375,20 @@ def check(pipe: nn.Module, ref: nn.Sequential, inputs: Tensors, *, training: boo
     initial = {n: _clone(t.grad) for n, t in p.targets.items()}
     if target is not None:
         _check_step(findings, sides, target, initial, tol, chunks)
-        return findings
+    else:
+        _check_call(findings, sides, no_grad, backward, tol, seed, chunks, rng, initial)
+    if repeat and isinstance(pipe, gpipe.Pipe):
+        findings += _repeat(pipe, inputs, p, state, findings)
+    return findings
+
+
+def _check_call(findings: Findings, sides: Tuple[_Side, _Side, _Side], no_grad: bool,
+                backward: str, tol: float, seed: int, chunks: int, rng: torch.Generator,
+                initial: Dict[str, Optional[Tensor]]) -> None:
+    """:func:`check` without a target: forward, then backward as ``backward`` says; adds the
+    differences to ``findings``."""
+    p, plain, cloned = sides
+    pipe, ref = p.model, plain.model
 
     # Forward: the Pipe first, so that the references can replay its dropout masks.
     with torch.set_grad_enabled(not no_grad):
@@ -367,13 +405,13 @@ def check(pipe: nn.Module, ref: nn.Sequential, inputs: Tensors, *, training: boo
             if want is plain:
                 cloned.forward()
             if any(type(e) is type(p.error) for e in cloned.model.first_errors()):
-                return findings
+                return
     if isinstance(want.error, ReplayError):
         findings.append(Mismatch("output", f"dropout replay: {want.error}", "output:replay"))
-        return findings
+        return
     findings += _exception_mismatch("forward", p.error, want, want.error)
     if p.error is not None or want.error is not None:
-        return findings
+        return
     findings += _compare_outputs(p.out, want, tol, no_grad)
     for k, (a, b) in enumerate(zip(_as_tuple(p.x), _as_tuple(want.x))):
         d = _diff(a, b, tol, want.name)  # an in-place first layer may modify the caller's input
@@ -381,11 +419,11 @@ def check(pipe: nn.Module, ref: nn.Sequential, inputs: Tensors, *, training: boo
             findings.append(Mismatch("output", f"input {k} after forward: {d} (left otherwise "
                                                f"than {want.name} leaves it)", "output:input"))
     if no_grad or not same_structure(p.out, want.out):
-        return findings
+        return
     weights = [torch.randn(w.shape, generator=rng, dtype=w.dtype) if w.is_floating_point()
                else None for w in _as_tuple(want.out)]
     if all(w is None for w in weights):
-        return findings
+        return
 
     # Which tensors the call asks grads of; the same names on every side.
     wanting = [n for n, t in want.pool().items() if t.requires_grad]
@@ -408,14 +446,14 @@ def check(pipe: nn.Module, ref: nn.Sequential, inputs: Tensors, *, training: boo
             cloned.forward()
         if cloned.error is not None:
             findings += _exception_mismatch("forward", None, cloned, cloned.error)
-            return findings
+            return
         findings += _compare_outputs(p.out, cloned, tol, no_grad)
         cloned.backward(weights, backward, names, initial)
     findings += _exception_mismatch(f"backward ({backward})", p.error, want, want.error)
     if p.error is not None or want.error is not None:
-        return findings
+        return
     findings += _compare_grads(p, want, backward, names, tol)
-    return findings
+    return
 
 
 def _check_step(findings: Findings, sides: Tuple[_Side, _Side, _Side], target: Tensors,
@@ -518,6 +556,115 @@ def _alone_errors(plain: _Side, cloned: BoundaryCloned, target: Tensors,
             _, error = _attempt(step)
         if error is not None:
             found.append(type(error))
+    return found
+
+
+# -- reproducibility -------------------------------------------------------------------------
+
+def _micro_batch_rows(pipe: nn.Module, inputs: Tensors) -> List[int]:
+    """The rows of the Pipe's micro-batches, cut as :class:`reference.BoundaryCloned` cuts."""
+    dims = getattr(pipe, "batch_dim", 0)
+    callers = _as_tuple(inputs)
+    cut = [t.shape[d] for t, d in zip(callers, _entries(
+        list(dims) if isinstance(dims, (list, tuple)) else [dims], len(callers)))
+           if d is not None and t.dim() > 0]
+    rows = cut[0] if cut else 0
+    m = min(getattr(pipe, "chunks", 1), rows) if rows else 1
+    return [len(c) for c in torch.arange(rows).tensor_split(m)] if m > 1 else [rows]
+
+
+def _first_step_exempt(pipe: nn.Module, inputs: Tensors) -> bool:
+    """Whether a fresh Pipe's first step may draw as the RNG rule's exception says: some
+    CondDropout draws on a later micro-batch but not on the first (conservatively, whatever
+    else its stage holds)."""
+    rows = _micro_batch_rows(pipe, inputs)
+    return any(isinstance(l, layers.CondDropout) and l.training and rows[0] >= l.below
+               and min(rows) < l.below for l in pipe)
+
+
+def _rerun(pipe: nn.Module, inputs: Tensors, calls: List[Tuple[str, Tuple[Any, ...]]],
+           state: Tensor) -> Tuple[_Side, bool]:
+    """``calls`` again on a fresh side, the default generator set to ``state`` first; returns
+    the side and whether a dropout layer drew random numbers."""
+    side = _Side(pipe, inputs, "the Pipe", "pipe")
+    drawing = [l for l in pipe if isinstance(l, MaskDropout)]
+    before = sum(l.drawn for l in drawing)
+    torch.set_rng_state(state)
+    for name, args in calls:
+        if name == "forward":
+            with torch.set_grad_enabled(args[0]):
+                side.forward()
+        else:
+            getattr(side, name)(*args)
+        if side.error is not None:
+            break
+    for l in drawing:
+        l.log = []
+    return side, sum(l.drawn for l in drawing) > before
+
+
+def _run_record(side: _Side) -> Dict[str, Optional[Tensor]]:
+    """What a run of the Pipe gave, by name: outputs (train_step: the loss), returned grads,
+    every ``.grad``."""
+    step = bool(side.calls) and side.calls[0][0] == "train_step"
+    found: Dict[str, Optional[Tensor]] = {
+        ("train_step's loss" if step else f"output {k}"): o
+        for k, o in enumerate(_as_tuple(side.out)) if isinstance(o, Tensor)}
+    found.update((f"autograd.grad for {n}", t) for n, t in side.returned.items())
+    found.update((f"{n}.grad", g) for n, g in side.grads.items())
+    return found
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def _bitwise(got: Optional[Tensor], want: Optional[Tensor]) -> Optional[str]:
+    """None when both are None or bitwise equal (NaNs too), else what differs."""
+    if got is None or want is None:
+        return None if got is None and want is None else (
+            f"{'None' if got is None else 'set'}, the first run's "
+            f"{'None' if want is None else 'set'}")
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return (f"{tuple(got.shape)} {got.dtype}, the first run's {tuple(want.shape)} "
+                f"{want.dtype}")
+    if torch.equal(_bits(got), _bits(want)):
+        return None
+    if got.is_floating_point():
+        d = (got.detach().double() - want.detach().double()).abs().max().item()
+        return f"not bitwise equal (max diff {d:.1e})"
+    return "not bitwise equal"
+
+
+def _repeat(pipe: nn.Module, inputs: Tensors, first: _Side, state: Tensor,
+            findings: Findings) -> List[Mismatch]:
+    """The Pipe's run (``first``) again from the same seed (``state``, the default generator's
+    state when it started); lists what is not bitwise the same (see the module docstring).
+    Runs nothing where the first run raised."""
+    if first.error is not None or not first.calls:
+        return []
+    calls = first.calls
+    again, drew = _rerun(pipe, inputs, calls, state)
+    if _first_step_exempt(pipe, inputs):
+        first = again  # a step after one that drew: the rule holds from here
+        again, drew = _rerun(pipe, inputs, calls, state)
+    findings.repeated, findings.drew = True, drew
+    if type(again.error) is not type(first.error):
+        return [Mismatch("reproducibility", f"run again from the same seed, the Pipe raised "
+                                            f"{_describe(again.error) if again.error else None}"
+                                            f"; before, "
+                                            f"{_describe(first.error) if first.error else None}",
+                         "reproducibility:exception")]
+    if again.error is not None:
+        return []
+    want, got = _run_record(first), _run_record(again)
+    found = []
+    for name in dict.fromkeys(list(want) + list(got)):
+        d = _bitwise(got.get(name), want.get(name))
+        if d:
+            what = "grad" if "grad" in name else "output"
+            found.append(Mismatch("reproducibility", f"run again from the same seed: {name}: "
+                                                     f"{d}", f"reproducibility:{what}"))
     return found
 
 

@@ -16,7 +16,12 @@ train_step and with virtual stages; the plain Sequential of the same
 skippable layers is the reference. Where the plain model
 refuses an in-place operation that gpipe's stage hand-over allows on purpose,
 the Pipe is compared against the boundary-cloned model instead; the last line
-counts those configurations.
+counts those configurations. About a seventh of the configurations tie a
+Linear's weight into a later stage. Every configuration whose Pipe ran
+without error runs it again from the same seed (the generator state its
+first run started from), which must give bitwise the same outputs, loss and
+grads: dropout reproducibility and the fixed order of grad sums (README,
+"Random numbers"; :func:`compare._repeat`).
 
 The documented run (0:2000, about 30 s on one CPU core) ends::
 
@@ -47,7 +52,9 @@ configuration as a standalone Python snippet (it imports :mod:`layers` and
 :func:`compare.check`). The last line is ``fuzz: N configurations, M
 mismatches (C compared against the boundary-cloned model)`` (M counts
 configuration x category); the exit code is 1 when M > 0. The line before
-it counts the configurations with skip connections (and those with one
+it counts the configurations run again from the same seed (and those whose
+dropout drew then, by step, checkpoint mode and with several micro-batches),
+the one before it those with skip connections (and those with one
 crossing a stage boundary), the one before it those run with each batch dim variant (the Pipe given
 ``batch_dim`` / ``output_batch_dim``; see ``configs._batch_dims``), and the
 one before that those run with train_step, by schedule ('virtual_stages':
@@ -59,7 +66,9 @@ caller's inputs left otherwise after forward), ``requires_grad`` (an output's
 flag differs), ``grad`` (an input grad, a returned grad or a ``.grad`` differs
 or is missing), ``side-effect`` (a ``.grad`` the reference leaves untouched is
 filled or changed: autograd.grad and backward(inputs=...) must touch nothing
-else), ``hang`` (no answer within ``--timeout`` seconds; the run stops there,
+else), ``reproducibility`` (the Pipe run again from the same seed gives other
+bits: an output, the loss, a returned grad or a ``.grad``; or raises
+otherwise), ``hang`` (no answer within ``--timeout`` seconds; the run stops there,
 since stuck threads may hold locks), ``harness`` (the fuzzer itself failed: a
 bug here, not in gpipe).
 """
@@ -76,7 +85,7 @@ if HERE not in sys.path:  # the fuzzer's modules: layers, reference, compare, co
     sys.path.insert(0, HERE)
 
 from compare import CATEGORIES, Hang, check, run_config  # noqa: E402,F401 - check: re-exported
-from configs import BATCH_DIM_ODDS, SCHEDULES, generate, shrink  # noqa: E402
+from configs import BATCH_DIM_ODDS, MODES, SCHEDULES, generate, shrink  # noqa: E402
 from layers import *  # noqa: E402,F401,F403 - re-exported for older reproductions
 
 
@@ -95,6 +104,11 @@ class Summary:
     #: Configurations with skip connections, and those with one crossing a stage boundary.
     skips: int = 0
     skips_crossing: int = 0
+    #: Configurations whose Pipe run was repeated from the same seed (compare._repeat), and
+    #: those whose dropout drew random numbers then: 'drawing', and by step ('drop-in' or the
+    #: schedule), checkpoint mode and 'micro-batches' (more than one).
+    repeated: int = 0
+    drawing: Dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
 
@@ -129,6 +143,12 @@ def run(seeds: Iterable[int], *, only: Sequence[str] = (), skip: Sequence[str] =
             summary.by_category["hang"] = summary.by_category.get("hang", 0) + 1
             write("fuzz: stopping: the hung threads may hold locks the next configurations need")
             break
+        if found.repeated:
+            summary.repeated += 1
+        if found.drew:
+            for v in ("drawing", cfg.step or "drop-in", cfg.checkpoint) + (
+                    ("micro-batches",) if min(cfg.chunks, cfg.rows) > 1 else ()):
+                summary.drawing[v] = summary.drawing.get(v, 0) + 1
         if found.reference:
             summary.cloned += 1
             if verbose:
@@ -176,7 +196,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "raise, stash, pop, relay; frozen, inplace-first, tuple-input, float32, "
                              "eval, no_grad, pre_grad; backward modes; checkpoint modes; "
                              "train_step, its schedules gpipe, 1f1b, interleaved_1f1b, zb_h1, "
-                             "virtual_stages; skips, skip-crossing, skip-namespace, skip-none)")
+                             "virtual_stages; skips, skip-crossing, skip-namespace, skip-none; "
+                             "tie-crossing)")
     parser.add_argument("--with", dest="needs", default="",
                         help="run only configurations with all of these features (as --without "
                              "names them), e.g. train_step or zb_h1")
@@ -212,6 +233,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"fuzz: batch dims: {variants or 'none'} (configurations; 'batch_dim': the Pipe got "
           f"batch_dim or output_batch_dim)")
     print(f"fuzz: skips: {summary.skips} configurations ({summary.skips_crossing} crossing stages)")
+    drawn = ", ".join(f"{v} {summary.drawing[v]}" for v in ("drop-in",) + SCHEDULES + MODES
+                      + ("micro-batches",) if v in summary.drawing)
+    print(f"fuzz: reproducibility: {summary.repeated} configurations run again from the same "
+          f"seed, {summary.drawing.get('drawing', 0)} drawing random numbers "
+          f"({drawn or 'none'})")
     print(f"fuzz: {summary.configurations} configurations, {summary.mismatches} mismatches "
           f"({summary.cloned} compared against the boundary-cloned model)")
     if "hang" in summary.by_category:

@@ -57,6 +57,7 @@ class MaskDropout(nn.Dropout):
         super().__init__(p)
         self.log: List[Tensor] = []        # one mask per first forward, in micro-batch order
         self.replay: Optional[Tensor] = None  # set on the plain copy: the whole batch's mask
+        self.drawn = 0  # forwards that drew (first ones and recomputes)
 
     def draws(self, x: Tensor) -> bool:
         return True
@@ -72,7 +73,9 @@ class MaskDropout(nn.Dropout):
             return x * mask
         # Dropout of ones is the mask itself (0 or 1/(1-p)): exact, and it draws
         # from the default generator as nn.Dropout does.
-        mask = F.dropout(torch.ones_like(x), self.p, True) if self.draws(x) else torch.ones_like(x)
+        drawing = self.draws(x)
+        self.drawn += drawing
+        mask = F.dropout(torch.ones_like(x), self.p, True) if drawing else torch.ones_like(x)
         if not gpipe.is_recomputing():
             self.log.append(mask)
         return x * mask

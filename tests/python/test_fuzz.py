@@ -1,5 +1,6 @@
 """test_fuzz.py — runs the differential fuzzer (tests/fuzz/) over a fixed seed range."""
 import copy
+import functools
 import importlib.util
 import pathlib
 import sys
@@ -29,17 +30,80 @@ def load_fuzz():
     return module
 
 
-def test_fixed_seeds_match_the_plain_model():
-    fuzz = load_fuzz()
+@functools.lru_cache(maxsize=None)
+def fixed_run():
+    """The fixed range, run once for the tests that read its summary: (summary, lines)."""
     lines = []
     # No shrinking: the failure message lists each seed with its configuration as drawn;
     # `python3 tests/fuzz/fuzz.py --seed N` shrinks it and prints a runnable reproduction.
-    summary = fuzz.run(SEEDS, do_shrink=False, write=lines.append)
+    return load_fuzz().run(SEEDS, do_shrink=False, write=lines.append), lines
+
+
+def test_fixed_seeds_match_the_plain_model():
+    summary, lines = fixed_run()
     assert summary.configurations == len(SEEDS)
     assert summary.mismatches == 0, (
         f"{summary.mismatches} mismatches in {summary.configurations} configurations "
         f"({summary.by_category}; {summary.cloned} compared against the boundary-cloned "
         f"model):\n" + "\n".join(lines))
+
+
+def test_fixed_seeds_run_again_from_the_same_seed_in_every_schedule_and_mode():
+    """Issue 22: every configuration whose Pipe ran without error runs it again from the same
+    seed, bitwise the same; among them configurations whose dropout draws, in the drop-in
+    call and under each train_step schedule, in each checkpoint mode, with several
+    micro-batches."""
+    fuzz = load_fuzz()
+    summary, _ = fixed_run()
+    assert summary.repeated >= 0.8 * len(SEEDS), summary
+    wanted = ("drop-in",) + tuple(fuzz.SCHEDULES) + tuple(fuzz.MODES) + ("micro-batches",)
+    assert all(summary.drawing.get(v, 0) >= 3 for v in wanted), summary.drawing
+    assert summary.drawing["drawing"] >= 40, summary.drawing
+
+
+def _pipe_with_dropout(chunks, checkpoint="never", schedule="gpipe"):
+    fuzz = load_fuzz()
+    f64 = torch.float64
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 4, dtype=f64), fuzz.MaskDropout(0.5),
+                          nn.Linear(4, 2, dtype=f64))
+    ref = copy.deepcopy(model)
+    return gpipe.Pipe(model, balance=[2, 1], devices=["cpu"] * 2, chunks=chunks,
+                      checkpoint=checkpoint, schedule=schedule), ref
+
+
+def test_a_pipe_drawing_otherwise_when_run_again_is_caught():
+    """check runs the Pipe again from the seed its first run started from: a Pipe that draws
+    other masks then (here: one more number drawn before each later call) is a
+    'reproducibility' mismatch, though each run alone matches the plain model (whose dropout
+    replays the Pipe's masks). The same Pipe left alone passes."""
+    load_fuzz()
+    from compare import check  # noqa: E402
+
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(6, 2, dtype=torch.float64)
+    for chunks, checkpoint in ((1, "never"), (3, "always")):
+        for step in (None, target):
+            for drifting in (False, True):
+                pipe, ref = _pipe_with_dropout(chunks, checkpoint)
+                if drifting:
+                    forward, train_step, calls = pipe.forward, pipe.train_step, []
+
+                    def drift():
+                        calls.append(1)
+                        if len(calls) > 1:
+                            torch.rand(1)
+
+                    pipe.forward = lambda x: (drift(), forward(x))[1]
+                    pipe.train_step = lambda *a: (drift(), train_step(*a))[1]
+                found = check(pipe, ref, x, target=step)
+                kinds = {m.kind for m in found}
+                assert found.repeated and found.drew
+                if not drifting:
+                    assert kinds == set(), (chunks, checkpoint, step is None)
+                else:
+                    assert "reproducibility:output" in kinds, (chunks, checkpoint, kinds)
+                    assert {m.category for m in found} == {"reproducibility"}, kinds
 
 
 def test_fixed_seeds_draw_ties_across_stages():
