@@ -1,6 +1,8 @@
 // executor.cpp — persistent workers running schedules and plans, first-error cancellation.
 #include "executor.h"
 
+#include "cancel.h"
+
 #include <gpipe/error.h>
 
 #include <ATen/Parallel.h>
@@ -17,16 +19,20 @@ namespace {
 
 thread_local int64_t running_stage = -1;
 
-// Marks the calling thread as running a cell of `stage`.
+// Marks the calling thread as running a cell of `stage` in the run that
+// `transport` carries (cancel.h: the cell checks it and cancels it).
 class InCell {
  public:
-  explicit InCell(int64_t stage) : previous_(running_stage) { running_stage = stage; }
+  InCell(int64_t stage, Transport& transport) : previous_(running_stage), run_(transport) {
+    running_stage = stage;
+  }
   ~InCell() { running_stage = previous_; }
   InCell(const InCell&) = delete;
   InCell& operator=(const InCell&) = delete;
 
  private:
   int64_t previous_;
+  RunningIn run_;
 };
 
 }  // namespace
@@ -138,7 +144,7 @@ void Executor::perform(Run& run, int64_t stage, const Action& action) {
   if (!input || run.mail.cancelled()) return;
   const char* phase = forward ? "forward" : "backward";
   try {
-    InCell in_cell(stage);
+    InCell in_cell(stage, run.mail);
     Payload out = (*run.cell)(stage, action, std::move(*input), phase);
     const int64_t next = forward ? stage + 1 : stage - 1;
     if (next < 0 || next >= run.stages) {
@@ -146,6 +152,8 @@ void Executor::perform(Run& run, int64_t stage, const Action& action) {
     } else {
       run.mail.send({next, Run::flow(action.phase), i}, std::move(out));
     }
+  } catch (const Cancelled&) {
+    // Found the run cancelled once it could start: another cell's error.
   } catch (...) {
     // Stop the other stages before describing the error, which can take
     // long (a Python error's message formats its traceback under the GIL):
@@ -288,8 +296,10 @@ void Executor::run_plan(const Plan& plan, const TaskFn& task, Transport& transpo
                           : t.op == Op::I ? "input-grad backward"
                                           : "weight-grad backward";
       try {
-        InCell in_cell(t.stage);
+        InCell in_cell(t.stage, transport);
         task(t, phase);
+      } catch (const Cancelled&) {
+        break;  // as when cancelled before the task
       } catch (...) {
         transport.cancel();  // first, as in perform
         {

@@ -19,14 +19,45 @@ std::vector<at::Generator> generators_for(c10::Device device) {
   return gens;
 }
 
-std::shared_mutex& lock_for(const at::Generator& generator) {
+void GeneratorLock::lock() {
+  std::unique_lock<std::mutex> hold(mutex_);
+  ++writers_waiting_;
+  changed_.wait(hold, [&] { return !writer_ && readers_ == 0; });
+  --writers_waiting_;
+  writer_ = true;
+}
+
+void GeneratorLock::unlock() {
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    writer_ = false;
+  }
+  changed_.notify_all();
+}
+
+void GeneratorLock::lock_shared() {
+  std::unique_lock<std::mutex> hold(mutex_);
+  changed_.wait(hold, [&] { return !writer_ && writers_waiting_ == 0; });
+  ++readers_;
+}
+
+void GeneratorLock::unlock_shared() {
+  bool last = false;
+  {
+    std::lock_guard<std::mutex> hold(mutex_);
+    last = --readers_ == 0;
+  }
+  if (last) changed_.notify_all();
+}
+
+GeneratorLock& lock_for(const at::Generator& generator) {
   // Default generators live for the whole process, so their impl pointers
   // are stable keys. The map only grows (one entry per device).
   static std::mutex registry_mutex;
-  static std::map<const void*, std::unique_ptr<std::shared_mutex>> registry;
+  static std::map<const void*, std::unique_ptr<GeneratorLock>> registry;
   std::lock_guard<std::mutex> hold(registry_mutex);
   auto& slot = registry[generator.unsafeGetGeneratorImpl()];
-  if (!slot) slot = std::make_unique<std::shared_mutex>();
+  if (!slot) slot = std::make_unique<GeneratorLock>();
   return *slot;
 }
 
@@ -48,7 +79,7 @@ bool same_state(const at::Tensor& a, const at::Tensor& b) {
 
 uint64_t draw_step_seed() {
   at::Generator cpu = at::detail::getDefaultCPUGenerator();
-  std::unique_lock<std::shared_mutex> exclusive(lock_for(cpu));
+  std::unique_lock<GeneratorLock> exclusive(lock_for(cpu));
   std::lock_guard<std::mutex> hold(cpu.mutex());
   return at::check_generator<at::CPUGeneratorImpl>(cpu)->random64();
 }

@@ -27,8 +27,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <condition_variable>
 #include <cstdint>
-#include <shared_mutex>
+#include <mutex>
 #include <vector>
 
 namespace gpipe::detail {
@@ -38,8 +39,30 @@ namespace gpipe::detail {
 /// also the locking order.
 std::vector<at::Generator> generators_for(c10::Device device);
 
+/// A reader-writer lock on which a waiting writer holds off new readers
+/// (std::shared_mutex is glibc's reader-preferring rwlock). A cell that needs
+/// a generator to itself (its stream set, or a snapshot) then goes before a
+/// busy stage's next cell, in the order the cells came: the stages that hold
+/// it shared do not starve it, and a failure it meets is known before their
+/// next cell starts (cancel.h). Meets Lockable and SharedLockable; no
+/// recursion (no cell waits for a lock while holding one of the same).
+class GeneratorLock {
+ public:
+  void lock();
+  void unlock();
+  void lock_shared();
+  void unlock_shared();
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  int64_t readers_ = 0;
+  int64_t writers_waiting_ = 0;
+  bool writer_ = false;
+};
+
 /// The process-wide lock of `generator` (one per generator, never destroyed).
-std::shared_mutex& lock_for(const at::Generator& generator);
+GeneratorLock& lock_for(const at::Generator& generator);
 
 /// The generator's state, read under its own mutex.
 at::Tensor get_state(const at::Generator& generator);

@@ -1,20 +1,24 @@
 // stage.cpp — a cell's forward (plain or checkpointed), its exact recompute, and its backward.
 #include "stage.h"
 
+#include "cancel.h"
 #include "graph.h"
 #include "phase.h"
 #include "rng.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty_strided.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
+#include <utility>
 
 namespace gpipe::detail {
 
@@ -118,11 +122,40 @@ std::vector<int64_t> versions(const Batch& batch) {
   return v;
 }
 
+// A copy with the original's sizes and strides (a column slice stays a
+// column slice): kernels choose their order of summation from the strides
+// (a matmul's backward does), so a recompute from the copy computes bit for
+// bit what the first forward computed from the original. A tensor whose
+// elements overlap (expanded) cannot be written through its own strides: it
+// is cloned as torch clones it.
+bool elements_overlap(const at::Tensor& t) {
+  // Dims by stride, smallest first: no two elements meet if each stride
+  // steps past everything the smaller strides reach.
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;  // the largest offset the smaller strides reach
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) return true;
+    reach += stride * (size - 1);
+  }
+  return false;
+}
+
 Batch cloned(const Batch& batch) {
   at::NoGradGuard no_grad;
   Batch b = batch;
   for (auto& t : b.values) {
-    if (t.defined()) t = t.clone();
+    if (!t.defined()) continue;
+    if (elements_overlap(t)) {
+      t = t.clone();
+      continue;
+    }
+    at::Tensor copy = at::empty_strided(t.sizes(), t.strides(), t.options());
+    copy.copy_(t);
+    t = std::move(copy);
   }
   return b;
 }
@@ -136,7 +169,14 @@ Batch run_layers(Layers& layers, const Batch& input) {
   struct ClearCasts {
     ~ClearCasts() { at::autocast::clear_cache(); }
   } clear;
-  return layers.forward(input);
+  try {
+    return layers.forward(input);
+  } catch (...) {
+    // Before the caller lets go of its generator locks: a cell waiting for
+    // them then finds the run failed (cancel.h).
+    cancel_running();
+    throw;
+  }
 }
 
 // Holds the generator locks a cell needs: exclusive around a forward that may
@@ -148,8 +188,8 @@ class RngLocks {
   void shared(const at::Generator& g) { shared_.emplace_back(lock_for(g)); }
 
  private:
-  std::vector<std::unique_lock<std::shared_mutex>> unique_;
-  std::vector<std::shared_lock<std::shared_mutex>> shared_;
+  std::vector<std::unique_lock<GeneratorLock>> unique_;
+  std::vector<std::shared_lock<GeneratorLock>> shared_;
 };
 
 // How a cell's forward treats one of its stage's generators (see the table
@@ -251,25 +291,24 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
   }
 
   RngLocks locks;
+  for (size_t g = 0; g < gens; ++g) {
+    if (how[g] == Draw::Shared || how[g] == Draw::Verify) locks.shared(generators_[g]);
+    if (how[g] == Draw::Snapshot || how[g] == Draw::Own) locks.exclusive(generators_[g]);
+  }
+  // A cell may have failed while this one waited for the locks.
+  stop_if_cancelled();
   LiveStates live(generators_);
   std::vector<at::Tensor> before(gens);
   for (size_t g = 0; g < gens; ++g) {
     switch (how[g]) {
       case Draw::Free:
-        break;
       case Draw::Shared:
-        locks.shared(generators_[g]);
         break;
       case Draw::Verify:
-        locks.shared(generators_[g]);
-        before[g] = get_state(generators_[g]);
-        break;
       case Draw::Snapshot:
-        locks.exclusive(generators_[g]);
         before[g] = get_state(generators_[g]);
         break;
       case Draw::Own:
-        locks.exclusive(generators_[g]);
         live.save(g);
         reseed(generators_[g], cell_seed(*draws.step_seed, index_, draws.microbatch, g));
         before[g] = get_state(generators_[g]);
@@ -411,6 +450,10 @@ void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
   for (size_t g = 0; g < generators_.size(); ++g) {
     if (g >= cell.rng_before.size() || !cell.rng_before[g].defined()) continue;
     locks.exclusive(generators_[g]);
+  }
+  stop_if_cancelled();  // as in forward
+  for (size_t g = 0; g < generators_.size(); ++g) {
+    if (g >= cell.rng_before.size() || !cell.rng_before[g].defined()) continue;
     live[g] = get_state(generators_[g]);
     set_state(generators_[g], cell.rng_before[g]);
   }

@@ -12,6 +12,7 @@
 //   stage s+1 worker:               receive({s+1, Activation, i}) -> y
 #pragma once
 
+#include "cancel.h"
 #include "microbatch.h"
 #include "streams.h"
 
@@ -75,16 +76,14 @@ struct SkipRoute {
   int64_t to;
 };
 
-class Transport {
+class Transport : public Cancellable {
  public:
-  virtual ~Transport() = default;
   /// Hands `payload` to whoever receives at `to`; does not wait for them.
   virtual void send(const Address& to, Payload payload) = 0;
   /// Waits for what was sent to `at`; std::nullopt once cancelled.
   virtual std::optional<Payload> receive(const Address& at) = 0;
-  /// Wakes every waiting `receive`; later ones return std::nullopt at once.
-  virtual void cancel() = 0;
-  virtual bool cancelled() const = 0;
+  // cancel() (Cancellable) wakes every waiting `receive`; later ones return
+  // std::nullopt at once.
 };
 
 /// The in-process hand-off: one slot per address, written once, taken once.

@@ -1,5 +1,6 @@
 """Failures: bad arguments fail at construction; a layer's exception comes back as itself, named."""
 import copy
+import time
 from typing import Any, Tuple
 
 import pytest
@@ -162,6 +163,41 @@ def test_forward_error_on_a_later_microbatch():
     assert "stage 1" in notes(raised) and "micro-batch 2" in notes(raised), notes(raised)
     assert middle.calls == 3          # micro-batch 3 never starts on stage 1
     assert len(last.forwards) <= 2    # stage 2 sees at most what stage 1 finished
+
+
+class SlowStart(nn.Module):
+    """Identity that notes each micro-batch it starts, then naps ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds, self.started = seconds, []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.started.append(len(self.started))
+        time.sleep(self.seconds)
+        return x
+
+
+@pytest.mark.parametrize("call", ["forward", "train_step"])
+def test_no_cell_starts_after_a_later_stage_failed(call):
+    """Issue 22: a slow stage 2 must not start micro-batch 2 once stage 3 failed on its
+    first, although the input is already in its mailbox. Stage 3's first cell waits for
+    stage 2's cells to let go of the CPU generator (its first cell of a step may set its
+    stream): it then goes before stage 2's next cell, and the failure is known before
+    that cell could start."""
+    for attempt in range(4):
+        slow = SlowStart(0.15)
+        layers = [nn.Linear(3, 3), nn.Linear(3, 3), slow, RaiseOnMicrobatch(MyError("boom"), 0)]
+        pipe = gpipe.Pipe(nn.Sequential(*layers).double(), balance=[1, 1, 1, 1], chunks=5)
+        x = torch.randn(10, 3, dtype=torch.float64)
+        if call == "forward":
+            run = lambda: pipe(x)  # noqa: E731
+        else:
+            run = lambda: pipe.train_step(x, torch.zeros(10, 3, dtype=torch.float64),  # noqa: E731
+                                          torch.nn.functional.mse_loss)
+        raised = raises_within_timeout(run)
+        assert isinstance(raised, MyError) and "stage 3" in notes(raised), notes(raised)
+        assert slow.started in ([0], [0, 1]), (attempt, slow.started)
 
 
 def test_forward_error_in_first_and_last_stage():
