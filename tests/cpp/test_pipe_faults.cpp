@@ -157,6 +157,35 @@ TEST_CASE("faults: workers parked for their input wake up when another stage fai
   check_recovered(pipe, ref, *plan);
 }
 
+TEST_CASE("faults: no cell starts once a later stage failed, even one waiting for a lock",
+          "[faults]") {
+  // Issue 22: stage 2 naps 150 ms per cell, stage 3 throws on its first.
+  // Stage 3's first cell of the step needs the CPU generator to itself and
+  // waits for stage 2's cell to let go of it; stage 2's next cell then waits
+  // behind it, and finds the step failed once it gets the lock. So stage 2
+  // runs micro-batch 0, and 1 at most, never 2.
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    CAPTURE(attempt);
+    auto plan = std::make_shared<FaultPlan>();
+    auto log = std::make_shared<gpipe_test::CellLog>();
+    torch::nn::Sequential model;
+    for (int64_t j = 0; j < 4; ++j) {
+      model->push_back(gpipe_test::MarkedLinear(5, 5));
+      if (j == 2) model->push_back(Sleep(j, log, std::chrono::milliseconds(150)));
+      if (j == 3) model->push_back(gpipe_test::Thrower(j, plan));
+    }
+    gpipe::Pipe pipe(model, PipeOptions().balance({1, 1, 2, 2}).chunks(5));
+    plan->arm(3, 0, FaultPhase::Forward);
+    const auto x = marked_input(10, 6, 5).requires_grad_(true);
+    check_cell_error(step(pipe, x), 3, 0, FaultPhase::Forward);
+    std::vector<int64_t> started;
+    for (const auto& e : log->events()) {
+      if (e.phase == 'F') started.push_back(e.microbatch);
+    }
+    CHECK((started == std::vector<int64_t>{0} || started == std::vector<int64_t>{0, 1}));
+  }
+}
+
 TEST_CASE("faults: a shape error in a later stage names the stage", "[faults]") {
   // A c10::Error from libtorch itself, raised on stage 1 by every
   // micro-batch: the first one to fail is reported, as a CellError.
