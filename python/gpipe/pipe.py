@@ -174,25 +174,94 @@ def _check_distinct(module: nn.Sequential) -> None:
         seen[id(layer)] = i
 
 
-def _check_shared_across_devices(module: nn.Sequential,
-                                 layer_devices: Sequence[torch.device]) -> None:
-    """Refuses a parameter or buffer object held by layers on different devices: moving
-    the second layer would move the first one's tensor with it (or, copied, untie them)."""
-    first: Dict[int, Tuple[str, int, str]] = {}  # tensor id -> (name, layer, kind)
-    for i, ((name, layer), device) in enumerate(zip(module.named_children(), layer_devices)):
-        tensors = [("parameter", n, t) for n, t in layer.named_parameters(remove_duplicate=False)]
-        tensors += [("buffer", n, t) for n, t in layer.named_buffers(remove_duplicate=False)]
-        for kind, sub, tensor in tensors:
-            if tensor is None:
-                continue
-            here = f"{name}.{sub}"
-            seen = first.setdefault(id(tensor), (here, i, kind))
-            j = seen[1]
-            if layer_devices[j] != device:
+class _TiedCopies:
+    """The uses, in one layer on ``device``, of parameters that live on another device (a
+    weight tied across devices): for each forward of the layer, each use is handed a copy on
+    ``device`` (``param.to(device)``, part of the graph, so autograd brings its grad home into
+    the one parameter), and the parameter itself is put back when the forward ends. Between
+    forwards the layer holds the parameter as the plain model does: ``state_dict`` keys,
+    ``parameters()`` and the optimizer see one parameter, on its home device.
+
+    A layer's forwards run one at a time (its stage's cells, recomputes included), so the
+    swap is never seen by another cell. A callable object, not a closure: copies and
+    unpickled Pipes keep their hooks on their own layers and parameters."""
+
+    def __init__(self, uses: List[Tuple[nn.Module, str, nn.Parameter]],
+                 device: torch.device) -> None:
+        self.uses, self.device = uses, device
+
+    def before(self, layer: nn.Module, args: Any) -> None:
+        for owner, name, param in self.uses:
+            # copy=True: a copy also where the devices compare equal (tests on the CPU).
+            owner._parameters[name] = param.to(self.device, copy=True)  # type: ignore[assignment]
+
+    def after(self, layer: nn.Module, args: Any, output: Any) -> None:
+        for owner, name, param in self.uses:
+            owner._parameters[name] = param
+
+
+def _tie_across_devices(module: nn.Module, layers: Sequence[nn.Module],
+                        layer_devices: Sequence[torch.device],
+                        install: bool = True) -> List[_TiedCopies]:
+    """Lets layers on different devices share a parameter (a GPT's embedding and lm_head):
+    the parameter lives on the device of its first layer (home) and the later layers on
+    other devices use a copy per forward (see :class:`_TiedCopies`). Call after the layers
+    moved to their devices: moving a later layer moved the shared parameter with it, so it is
+    moved home again here. Refuses a buffer shared across devices (a running statistic
+    updated on a copy would be lost) and a module object (not a parameter) shared by layers
+    on different devices, naming both uses. Returns the hooks installed, one per layer that
+    uses another device's parameter; with ``install`` false only checks (before anything
+    moves)."""
+    first: Dict[int, Tuple[str, int]] = {}  # tensor id -> (name, layer)
+    owners: Dict[int, Tuple[str, int]] = {}  # module id -> (name, layer)
+    copies: Dict[int, List[Tuple[nn.Module, str, nn.Parameter]]] = {}
+    homes: Dict[int, Tuple[nn.Parameter, torch.device]] = {}
+    names = [name for name, _ in module.named_children()]
+    for i, (name, layer, device) in enumerate(zip(names, layers, layer_devices)):
+        for sub, owner in layer.named_modules(remove_duplicate=False):
+            here = f"{name}.{sub}" if sub else name
+            holds = next(owner.parameters(), None) is not None or next(owner.buffers(),
+                                                                          None) is not None
+            seen = owners.setdefault(id(owner), (here, i))
+            if holds and layer_devices[seen[1]] != device:
                 raise ValueError(
-                    f"{kind} {here!r} of layer {i} (on {device}) is the same tensor as "
-                    f"{seen[0]!r} of layer {j} (on {layer_devices[j]}), so it cannot live on "
-                    f"both devices; put those layers on one device, or untie the weights")
+                    f"module {here!r} of layer {i} (on {device}) is the same module object as "
+                    f"{seen[0]!r} of layer {seen[1]} (on {layer_devices[seen[1]]}); layers on "
+                    f"different devices may share a parameter (it lives on the first one's "
+                    f"device), not a module: share the parameter (b.weight = a.weight) or put "
+                    f"those layers on one device")
+            for kind, table in (("parameter", owner._parameters), ("buffer", owner._buffers)):
+                for attr, tensor in table.items():
+                    if tensor is None:
+                        continue
+                    full = f"{here}.{attr}" if here else attr
+                    where = first.setdefault(id(tensor), (full, i))
+                    j = where[1]
+                    if layer_devices[j] == device:
+                        continue
+                    if kind == "buffer":
+                        raise ValueError(
+                            f"buffer {full!r} of layer {i} (on {device}) is the same tensor as "
+                            f"{where[0]!r} of layer {j} (on {layer_devices[j]}), so it cannot "
+                            f"live on both devices (a copy's updates would be lost); put those "
+                            f"layers on one device, or give each its own buffer")
+                    homes[id(tensor)] = (tensor, layer_devices[j])  # type: ignore[assignment]
+                    copies.setdefault(i, []).append((owner, attr, tensor))  # type: ignore[arg-type]
+    if not install:
+        return []
+    with torch.no_grad():
+        for param, home in homes.values():
+            if param.device != home:
+                param.data = param.data.to(home)
+                if param.grad is not None:
+                    param.grad = param.grad.to(home)
+    hooks = []
+    for i, uses in copies.items():
+        hook = _TiedCopies(uses, layer_devices[i])
+        layers[i].register_forward_pre_hook(hook.before)
+        layers[i].register_forward_hook(hook.after, always_call=True)
+        hooks.append(hook)
+    return hooks
 
 
 BatchDim = Union[int, Sequence[Optional[int]]]
@@ -398,8 +467,10 @@ class Pipe(nn.Module):
             a list of ints, ``chunks`` not an int, ``devices`` an int.
         ValueError: bad ``balance``, ``chunks`` or ``checkpoint`` values; a
             device that is not one, or a CUDA device this machine lacks; a
-            parameter or buffer shared by layers on different devices (tied
-            weights work on one device).
+            buffer, or a module holding parameters, shared by layers on
+            different devices (a parameter may be shared: it lives on its first
+            layer's device, and later layers elsewhere use a copy per forward
+            whose grad comes home, so tied weights train as in the plain model).
         IndexError: fewer devices than stages.
 
     Attributes:
@@ -551,9 +622,10 @@ class Pipe(nn.Module):
                 layer = _deferred_copy(layer, chunks)
             self.add_module(name, layer)
         self._layers: List[nn.Module] = list(self._modules.values())  # type: ignore[arg-type]
-        _check_shared_across_devices(self, self._stage_devices())
+        _tie_across_devices(self, self._layers, self._stage_devices(), install=False)
         for layer, device in zip(self._layers, self._stage_devices()):
             layer.to(device)
+        _tie_across_devices(self, self._layers, self._stage_devices())
         self._deferred = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
         self._batch_dims = (input_dims, output_dims)
         self._stages: Optional[List[nn.Module]] = None  # compiled stages, see compile()
