@@ -258,7 +258,8 @@ pytest_args=(-p no:cacheprovider -rfEs)
 if ((python_ok)); then
   # (test_stages_on_several_gpus_over_nccl skips below 2 GPUs: run_multi.sh's part.)
   step pytest-cuda required "${GPIPE_GPU_PYTEST_LIMIT:-240}" "$python" -m pytest \
-    tests/python/test_cuda.py tests/python/test_ties.py::test_a_weight_tied_between_the_cpu_and_a_gpu tests/python/test_distributed.py::test_stages_on_the_gpu \
+    tests/python/test_cuda.py tests/python/test_ties.py::test_a_weight_tied_between_the_cpu_and_a_gpu \
+    tests/python/test_distributed.py::test_stages_on_the_gpu \
     tests/python/test_distributed.py::test_stages_on_several_gpus_over_nccl \
     "${pytest_args[@]}" -v -s
   step bench required 180 "$python" bench/gpu.py
