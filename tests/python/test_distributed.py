@@ -222,21 +222,26 @@ def _worker_train() -> None:
 
     # Seeded steps with dropout on every rank are bitwise reproducible: one
     # worker per rank draws in its plan's fixed order.
-    for schedule in ("1f1b", "zb_h1"):
-        digests = [_seeded_dropout_steps(gpipe.distributed, schedule) for _ in range(2)]
-        _report(check=f"rng-{schedule}", same=digests[0] == digests[1], digest=digests[0])
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"):
+        for checkpoint in ("always", "except_last", "never"):
+            digests = [_seeded_dropout_steps(gpipe.distributed, schedule, checkpoint)
+                       for _ in range(2)]
+            _report(check=f"rng-{schedule}-{checkpoint}", same=digests[0] == digests[1],
+                    digest=digests[0])
 
     dist.destroy_process_group()
 
 
-def _seeded_dropout_steps(distributed, schedule: str) -> str:
+def _seeded_dropout_steps(distributed, schedule: str, checkpoint: str) -> str:
     """Two seeded train steps of a fresh pipe over the ranks, dropout in every stage: the
     digest of this rank's loss, grads and next random numbers."""
     import hashlib
 
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(WORLD) for m in (nn.Linear(6, 6), nn.Dropout(0.4))])
-    pipe = distributed.Pipe(model.double(), [2] * WORLD, chunks=4, schedule=schedule)
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    pipe = distributed.Pipe(model.double(), [2 // v] * (WORLD * v), chunks=4, schedule=schedule,
+                            virtual_stages=v, checkpoint=checkpoint)
     torch.manual_seed(7)
     seen = []
     for _ in range(2):
@@ -480,11 +485,12 @@ def test_eval_step(train):
     assert train["codes"] == [0] * WORLD, train["logs"]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
-def test_seeded_steps_with_dropout_are_reproducible(train, schedule):
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
+def test_seeded_steps_with_dropout_are_reproducible(train, schedule, checkpoint):
     """Each rank is one worker, so its stages draw in their plan's order: two seeded runs give
     bitwise the same losses and grads on every rank (issue 22 item 4)."""
-    for rank, r in _results(train, f"rng-{schedule}").items():
+    for rank, r in _results(train, f"rng-{schedule}-{checkpoint}").items():
         assert r["same"], (rank, r)
 
 
