@@ -245,6 +245,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// and sums their grads at the end of every train_step.
   void set_ties(std::vector<Tie> ties);
 
+  /// Makes train_step run `plan` (a schedule given as data, e.g.
+  /// plan_from_csv; validated) instead of its kind's: one list per worker
+  /// (over a group: per rank), the pipeline's stages, `chunks`
+  /// micro-batches. Throws ValueError naming what does not match.
+  void set_plan(Plan plan);
   /// The plan train_step runs for `microbatches` micro-batches (validated).
   const Plan& plan(int64_t microbatches);
   PlanKind plan_kind() const noexcept { return plan_kind_; }

@@ -2,6 +2,7 @@
 #include "plan.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -312,6 +313,7 @@ std::string to_string(PlanKind kind) {
     case PlanKind::OneFOneB: return "1f1b";
     case PlanKind::Interleaved1F1B: return "interleaved_1f1b";
     case PlanKind::ZBH1: return "zb_h1";
+    case PlanKind::Custom: return "custom";
   }
   return "unknown";
 }
@@ -483,6 +485,8 @@ Plan make_plan(PlanKind kind, int64_t workers, int64_t virtual_stages, int64_t m
     case PlanKind::OneFOneB: return one_f_one_b_plan(workers, microbatches);
     case PlanKind::ZBH1: return zb_h1_plan(workers, microbatches);
     case PlanKind::Interleaved1F1B: break;
+    case PlanKind::Custom:
+      throw std::invalid_argument("a custom plan is given as data (plan_from_csv), not made");
   }
   throw std::invalid_argument("unknown plan kind " +
                               std::to_string(static_cast<int>(kind)));
@@ -491,6 +495,105 @@ Plan make_plan(PlanKind kind, int64_t workers, int64_t virtual_stages, int64_t m
 void validate(const Plan& plan) {
   const Split split = check_structure(plan);
   run(plan, split, Costs{1, 1, 1, 1});
+}
+
+namespace {
+
+std::string trimmed(const std::string& s) {
+  const auto first = s.find_first_not_of(" \t\r");
+  if (first == std::string::npos) return "";
+  return s.substr(first, s.find_last_not_of(" \t\r") - first + 1);
+}
+
+// One cell of the CSV: "<stage><op><micro-batch>".
+Task parse_action(const std::string& cell, size_t row, size_t column) {
+  const std::string here = "row " + std::to_string(row) + ", cell " + std::to_string(column) +
+                           " ('" + cell + "')";
+  size_t k = 0;
+  while (k < cell.size() && std::isdigit(static_cast<unsigned char>(cell[k]))) ++k;
+  size_t end = k;
+  while (end < cell.size() && !std::isdigit(static_cast<unsigned char>(cell[end]))) ++end;
+  const std::string op = cell.substr(k, end - k);
+  const std::string rest = cell.substr(end);
+  const bool digits = !rest.empty() && std::all_of(rest.begin(), rest.end(), [](char c) {
+    return std::isdigit(static_cast<unsigned char>(c));
+  });
+  static const std::vector<std::string> kOthers{"SEND_F", "RECV_F", "SEND_B", "RECV_B",
+                                                "UNSHARD", "RESHARD", "REDUCE_GRAD"};
+  if (k > 0 && std::find(kOthers.begin(), kOthers.end(), op) != kOthers.end()) {
+    throw std::invalid_argument(here + ": " + op + " is not a compute action; give the compute "
+                                "actions only (torch's 'compute_only' format: F, I, W, B), gpipe "
+                                "derives the communication from them");
+  }
+  if (k == 0 || op.size() != 1 || std::string("FIWB").find(op[0]) == std::string::npos ||
+      !digits || k > 9 || rest.size() > 9) {
+    throw std::invalid_argument(here + " is not an action; write <stage><F|I|W|B><micro-batch>, "
+                                "e.g. '0F3' (forward of micro-batch 3 on stage 0), '1I2', "
+                                "'1W2', '0B1'");
+  }
+  const Op o = op[0] == 'F' ? Op::F : op[0] == 'I' ? Op::I : op[0] == 'W' ? Op::W : Op::B;
+  return Task{o, std::stoll(cell.substr(0, k)), std::stoll(rest)};
+}
+
+}  // namespace
+
+Plan plan_from_csv(const std::string& text) {
+  Plan plan;
+  plan.kind = PlanKind::Custom;
+  std::vector<std::string> rows;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) rows.push_back(line);
+  while (!rows.empty() && trimmed(rows.back()).empty()) rows.pop_back();
+  if (rows.empty()) {
+    throw std::invalid_argument("the schedule CSV has no rows; give one row of actions per rank "
+                                "(e.g. '0F0,0F1,0B0,0B1')");
+  }
+  for (size_t r = 0; r < rows.size(); ++r) {
+    std::vector<Task> list;
+    std::istringstream cells(rows[r]);
+    size_t column = 0;
+    for (std::string cell; std::getline(cells, cell, ','); ++column) {
+      cell = trimmed(cell);
+      if (cell.empty()) continue;  // an idle tick
+      const Task t = parse_action(cell, r, column);
+      plan.stages = std::max(plan.stages, t.stage + 1);
+      plan.microbatches = std::max(plan.microbatches, t.microbatch + 1);
+      list.push_back(t);
+    }
+    plan.lists.push_back(std::move(list));
+  }
+  plan.workers = static_cast<int64_t>(plan.lists.size());
+  if (plan.stages % plan.workers != 0) {
+    throw std::invalid_argument(
+        "the schedule CSV names " + std::to_string(plan.stages) + " stages in " +
+        std::to_string(plan.workers) + " rows; gpipe runs stage s on row s mod " +
+        std::to_string(plan.workers) + ", so the stages must be a multiple of the rows");
+  }
+  for (size_t w = 0; w < plan.lists.size(); ++w) {
+    for (const Task& t : plan.lists[w]) {
+      if (plan.worker_of(t.stage) == static_cast<int64_t>(w)) continue;
+      throw std::invalid_argument(
+          describe(t) + " is in row " + std::to_string(w) + ", but gpipe runs stage " +
+          std::to_string(t.stage) + " on row " + std::to_string(plan.worker_of(t.stage)) +
+          " (stage s on row s mod " + std::to_string(plan.workers) +
+          "; other placements, such as a V, are not supported yet)");
+    }
+  }
+  validate(plan);
+  return plan;
+}
+
+std::string plan_to_csv(const Plan& plan) {
+  std::string out;
+  for (const auto& list : plan.lists) {
+    for (size_t k = 0; k < list.size(); ++k) {
+      if (k > 0) out += ',';
+      out += std::to_string(list[k].stage) + letter(list[k].op) +
+             std::to_string(list[k].microbatch);
+    }
+    out += '\n';
+  }
+  return out;
 }
 
 Simulation simulate(const Plan& plan, const Costs& costs) {

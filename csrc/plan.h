@@ -48,10 +48,11 @@ struct Task {
 std::ostream& operator<<(std::ostream& out, const Task& task);
 std::string describe(const Task& task);
 
-/// Which plan a Pipe's train_step runs (see gpipe::Schedule).
-enum class PlanKind : uint8_t { GPipe, OneFOneB, Interleaved1F1B, ZBH1 };
+/// Which plan a Pipe's train_step runs (see gpipe::Schedule); Custom: a
+/// plan given as data (`plan_from_csv`).
+enum class PlanKind : uint8_t { GPipe, OneFOneB, Interleaved1F1B, ZBH1, Custom };
 
-/// "gpipe", "1f1b", "interleaved_1f1b", "zb_h1".
+/// "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "custom".
 std::string to_string(PlanKind kind);
 
 struct Plan {
@@ -116,6 +117,19 @@ struct Simulation {
   /// (from F until B, or until W when split).
   std::vector<int64_t> peak_in_flight;
 };
+
+/// torch.distributed.pipelining's CSV schedule format ("compute_only"): one
+/// row per worker (rank), its compute actions in order, each
+/// <stage><F|I|W|B><micro-batch> ("0F3", "1I2", "1W2", "0B1"); an empty cell
+/// is an idle tick. Communication is derived from the tasks, so the format's
+/// communication and FSDP actions (SEND_F, RECV_B, UNSHARD, ...) are refused,
+/// naming them. Workers, stages and micro-batches are the rows and the
+/// largest indices seen; the plan is checked with `validate` (a task in the
+/// wrong row names the row its stage runs on: stage s on worker s mod W).
+/// Throws std::invalid_argument naming the row, the cell and the fix.
+Plan plan_from_csv(const std::string& text);
+/// The plan as that CSV: one row per worker, no idle cells.
+std::string plan_to_csv(const Plan& plan);
 
 /// Runs `plan` on paper. Throws std::invalid_argument when it deadlocks.
 Simulation simulate(const Plan& plan, const Costs& costs = {});

@@ -203,7 +203,35 @@ Plan forwards_of(Plan plan) {
 
 }  // namespace
 
+void Engine::set_plan(Plan plan) {
+  const int64_t lists = transport_ ? transport_->ranks() : workers();
+  const char* per = transport_ ? "rank" : "device";
+  GPIPE_CHECK_VALUE(plan.workers == lists, "the schedule has ", plan.workers,
+                    " rows but the pipe runs on ", lists, " ", per,
+                    "s; give one row of actions per ", per);
+  GPIPE_CHECK_VALUE(plan.stages == all_stages_, "the schedule names ", plan.stages,
+                    " stages but the pipe has ", all_stages_,
+                    " (its balance); give actions for stages 0 to ", all_stages_ - 1);
+  GPIPE_CHECK_VALUE(plan.microbatches == chunks_, "the schedule runs ", plan.microbatches,
+                    " micro-batches but chunks is ", chunks_, "; pass chunks=",
+                    plan.microbatches, " or a schedule for ", chunks_, " micro-batches");
+  try {
+    validate(plan);
+  } catch (const std::invalid_argument& e) {
+    GPIPE_CHECK_VALUE(false, e.what());
+  }
+  plan.kind = PlanKind::Custom;
+  plan_kind_ = PlanKind::Custom;
+  plan_ = std::move(plan);
+}
+
 const Plan& Engine::plan(int64_t microbatches) {
+  if (plan_kind_ == PlanKind::Custom) {
+    GPIPE_CHECK_VALUE(plan_->microbatches == microbatches, "this batch makes ", microbatches,
+                      " micro-batches (fewer rows than chunks) but the pipe's schedule runs ",
+                      plan_->microbatches, "; give at least ", plan_->microbatches, " rows");
+    return *plan_;
+  }
   if (!plan_ || plan_->microbatches != microbatches) {
     try {
       // Over a group the plan is the whole pipeline's: one list per rank.

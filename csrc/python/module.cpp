@@ -67,6 +67,15 @@ void reraise_python(const gpipe::CellError& error) {
   }
 }
 
+// A schedule CSV's plan; ValueError naming the bad cell or task.
+detail::Plan plan_from_csv_or_raise(const std::string& text) {
+  try {
+    return detail::plan_from_csv(text);
+  } catch (const std::invalid_argument& e) {
+    throw py::value_error(e.what());
+  }
+}
+
 detail::PlanKind parse_schedule(const std::string& name) {
   if (name == "gpipe") return detail::PlanKind::GPipe;
   if (name == "1f1b") return detail::PlanKind::OneFOneB;
@@ -245,6 +254,10 @@ class PyEngine {
   }
 
   void set_bucket_cap(int64_t bytes) { engine_->set_bucket_cap(bytes); }
+  void set_plan_csv(const std::string& text) { engine_->set_plan(plan_from_csv_or_raise(text)); }
+  std::string plan_csv(int64_t microbatches) {
+    return detail::plan_to_csv(engine_->plan(microbatches));
+  }
   std::vector<std::tuple<int64_t, int64_t, int64_t>> grad_reduce_launches() const {
     std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
     for (const auto& l : engine_->grad_reduce_launches()) out.emplace_back(l.stage, l.tasks_left, l.buckets);
@@ -371,6 +384,12 @@ one per value, None for a value not cut; an empty output list follows input.)doc
           "Where the trace's times count from, in nanoseconds on the host's steady clock "
           "(CLOCK_MONOTONIC on Linux, as time.monotonic_ns()): origin + start_us lines up "
           "the traces of several processes on one machine.")
+      .def("set_plan_csv", &PyEngine::set_plan_csv, py::arg("text"),
+           "Makes train_step run the schedule in torch.distributed.pipelining's CSV format "
+           "(one row of compute actions per device or rank); ValueError when it does not fit "
+           "the pipe or deadlocks.")
+      .def("plan_csv", &PyEngine::plan_csv, py::arg("microbatches"),
+           "The plan train_step runs for that many micro-batches, as that CSV.")
       .def("set_bucket_cap", &PyEngine::set_bucket_cap, py::arg("bytes"),
            "With dp_group: the most bytes of grads averaged in one all_reduce (a parameter is "
            "never split); at least 1.")
@@ -466,6 +485,18 @@ measures complete steps; `dropped` counts the events no longer kept.)doc")
       .def("__exit__", &gpipe::python::PyMemoryCounter::exit)
       .def_property_readonly("current", &gpipe::python::PyMemoryCounter::current);
 
+  m.def(
+      "parse_schedule_csv",
+      [](const std::string& text) {
+        const gpipe::detail::Plan plan = gpipe::python::plan_from_csv_or_raise(text);
+        return std::make_tuple(plan.workers, plan.stages, plan.microbatches,
+                               gpipe::detail::plan_to_csv(plan));
+      },
+      py::arg("text"),
+      R"doc(Checks a schedule in torch.distributed.pipelining's CSV format ("compute_only": one row
+per rank, actions like 0F3, 1I2, 1W2, 0B1, empty cells idle) and returns (rows, stages,
+micro-batches, the CSV without idle cells); ValueError naming the bad cell, a misplaced or
+missing action, or the actions a deadlocked table waits on.)doc");
   m.def("balance_cost", &gpipe::balance_cost, py::arg("costs"), py::arg("partitions"),
         R"doc(The contiguous split of per-layer costs into `partitions` stages minimising the
 largest stage (exact; ties: lexicographically smallest balance).)doc");

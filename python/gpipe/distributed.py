@@ -7,7 +7,9 @@ from torch import Tensor, nn
 
 from gpipe import _C
 from gpipe.pipe import (BatchDim, _as_int, _batch_dims, _check_balance, _check_input,
-                        _parse_balance, _parse_checkpoint, _parse_chunks, _parse_schedule)
+                        _parse_balance, _parse_checkpoint, _parse_chunks, _parse_schedule,
+                        _schedule_stages)
+from gpipe.schedule import Schedule
 from gpipe.skip.layout import stage_runners
 from gpipe.skip.skippable import verify_skippables
 
@@ -85,7 +87,8 @@ class Pipe(nn.Module):
         balance: layers per stage, R * virtual_stages entries.
         chunks: micro-batches per mini-batch; a batch must have at least
             ``chunks`` rows (every rank plans ``chunks`` micro-batches).
-        schedule: 'gpipe', '1f1b' (default), 'interleaved_1f1b' or 'zb_h1'.
+        schedule: 'gpipe', '1f1b' (default), 'interleaved_1f1b' or 'zb_h1', or a
+            :class:`gpipe.Schedule` (a CSV table, one row per rank).
         checkpoint: 'always', 'except_last' (default) or 'never'.
         virtual_stages: stages per rank (interleaved_1f1b), default 1.
         group: the pipeline's process group (default: the world).
@@ -168,6 +171,8 @@ class Pipe(nn.Module):
                                       "pass the number of stages per rank, e.g. 2")
         if self.virtual_stages < 1:
             raise ValueError(f"virtual_stages must be at least 1, got {self.virtual_stages}")
+        if isinstance(self.schedule, Schedule):
+            self.virtual_stages = _schedule_stages(self.schedule, self.virtual_stages, "rank")
         self.group = group if group is not None else dist.group.WORLD
         self.dp_group = dp_group
         if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
@@ -212,7 +217,8 @@ class Pipe(nn.Module):
             [layers[starts[s]:starts[s] + balance[s]] for s in range(stages)], parts, self.stages)
         self._engine = _C.Engine(parts, [self.device] * len(parts), self.chunks, self.checkpoint,
                                  intra_op_threads=-1, virtual_stages=self.virtual_stages,
-                                 schedule=self.schedule,
+                                 schedule=("1f1b" if isinstance(self.schedule, Schedule)
+                                           else self.schedule),
                                  skip_routes=routes,
                                  group=self.group.group_name,
                                  reverse_group=(self._reverse_group.group_name
@@ -226,13 +232,18 @@ class Pipe(nn.Module):
         rank_of_layer = [s % ranks for s in range(stages) for _ in range(balance[s])]
         ties = _find_ties(module, rank_of_layer)
         settings = [("balance", str(balance)), ("chunks", str(self.chunks)),
-                    ("schedule", self.schedule), ("virtual_stages", str(self.virtual_stages)),
+                    ("schedule", (self.schedule.csv.replace("\n", "; ")
+                                  if isinstance(self.schedule, Schedule) else self.schedule)),
+                    ("virtual_stages", str(self.virtual_stages)),
                     ("checkpoint", self.checkpoint), ("batch_dim", str(input_dims)),
                     ("output_batch_dim", str(output_dims)),
                     ("tied parameters", "; ".join(" = ".join(uses) for uses, _, _ in ties)
                      or "none")]
         self._engine.check_agreement(settings + _layer_settings(module),
                                      "gpipe.distributed.Pipe")
+        if isinstance(self.schedule, Schedule):
+            # After the ranks agreed on it: it fits on every rank or on none.
+            self._engine.set_plan_csv(self.schedule.csv)
         self._tie_groups: Dict[Tuple[int, ...], Any] = {}
         entries = []
         for uses, owners, param in ties:
@@ -250,6 +261,12 @@ class Pipe(nn.Module):
             entries.append((uses, owners, param, here, name))
         self._engine.set_ties(entries)
         self.tied_parameters = [(uses, owners) for uses, owners, _ in ties]
+
+    def schedule_csv(self) -> str:
+        """The order :meth:`train_step` runs on every rank, for ``chunks`` micro-batches, as a
+        table in torch.distributed.pipelining's CSV format (one row per rank); see
+        :class:`gpipe.Schedule`."""
+        return self._engine.plan_csv(self.chunks)
 
     def _check_step(self, input: Optional[TensorOrTensors], what: str) -> None:
         if self.is_first:

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from gpipe import _C
 from gpipe.balance import balance_by_params
 from gpipe.batchnorm import DeferredBatchNorm, _deferred_copy
+from gpipe.schedule import Schedule
 from gpipe.skip.layout import stage_runners
 from gpipe.skip.skippable import verify_skippables
 
@@ -91,12 +92,32 @@ def _parse_checkpoint(checkpoint: Any) -> str:
 _SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 
 
-def _parse_schedule(schedule: Any) -> str:
+def _parse_schedule(schedule: Any) -> Union[str, Schedule]:
+    if isinstance(schedule, Schedule):
+        return schedule
     name = str(schedule)
     if name not in _SCHEDULES:
         raise ValueError(f"schedule is not one of 'gpipe', '1f1b', 'interleaved_1f1b' or "
-                         f"'zb_h1', got {name!r}")
+                         f"'zb_h1' (or a gpipe.Schedule, e.g. from a CSV file), got {name!r}")
     return name
+
+
+def _schedule_stages(schedule: Union[str, Schedule], virtual_stages: int, per: str) -> int:
+    """``virtual_stages`` checked against ``schedule``: a Schedule's table fixes it (its
+    stages over its rows; the default 1 is taken as unset), the built-in ones run one stage
+    per ``per`` except interleaved_1f1b."""
+    if isinstance(schedule, Schedule):
+        table = schedule.stages // schedule.rows
+        if virtual_stages not in (1, table):
+            raise ValueError(f"virtual_stages is {virtual_stages} but the schedule's table runs "
+                             f"{table} stages per row ({schedule.stages} stages in "
+                             f"{schedule.rows} rows); leave virtual_stages out")
+        return table
+    if virtual_stages != 1 and schedule != "interleaved_1f1b":
+        raise ValueError(f"virtual_stages is {virtual_stages} but schedule {schedule!r} runs "
+                         f"one stage per {per}; use schedule='interleaved_1f1b', or "
+                         f"virtual_stages=1")
+    return virtual_stages
 
 
 def _parse_balance(balance: Any) -> List[int]:
@@ -457,7 +478,11 @@ class Pipe(nn.Module):
             stages per device: a bubble v times smaller, more hand-offs) or
             ``'zb_h1'`` (zero bubble: each backward split into input grads and
             weight grads, the weight halves filling the drain; about a third
-            of 1F1B's bubble at 1F1B's peak memory).
+            of 1F1B's bubble at 1F1B's peak memory), or a
+            :class:`gpipe.Schedule`: a table of actions in
+            torch.distributed.pipelining's CSV format (its stages fix
+            ``virtual_stages``, its micro-batches must equal ``chunks``).
+            :meth:`schedule_csv` gives the table a pipe runs.
         virtual_stages: stages per device for ``'interleaved_1f1b'``: then
             ``balance`` has ``virtual_stages`` x W entries for W devices and
             stage s runs on ``devices[s % W]``. 1 (default): one per device.
@@ -547,10 +572,7 @@ class Pipe(nn.Module):
         if virtual_stages < 1:
             raise ValueError(f"virtual_stages must be at least 1, got {virtual_stages}; it is the "
                              f"number of stages per device")
-        if virtual_stages != 1 and schedule != "interleaved_1f1b":
-            raise ValueError(f"virtual_stages is {virtual_stages} but schedule {schedule!r} runs "
-                             f"one stage per device; use schedule='interleaved_1f1b', or "
-                             f"virtual_stages=1")
+        virtual_stages = _schedule_stages(schedule, virtual_stages, "device")
         input_dims = _batch_dims(batch_dim, "batch_dim")
         output_dims = [] if output_batch_dim is None else _batch_dims(output_batch_dim,
                                                                       "output_batch_dim")
@@ -678,11 +700,15 @@ class Pipe(nn.Module):
         self.__dict__.setdefault("virtual_stages", 1)
         # With skips, each stage runs through a runner handing them on (skip/layout.py).
         parts, routes = stage_runners(layers, parts)
+        table = self.schedule if isinstance(self.schedule, Schedule) else None
         self._engine = (_C.Engine(parts, self._per_stage_devices(), self.chunks,
                                   self.checkpoint, intra_op_threads=self.intra_op_threads,
-                                  virtual_stages=self.virtual_stages, schedule=self.schedule,
+                                  virtual_stages=self.virtual_stages,
+                                  schedule="1f1b" if table else self.schedule,
                                   skip_routes=routes)
                         if parts else _NoStages())
+        if table is not None and parts:
+            self._engine.set_plan_csv(table.csv)
         self._engine.set_batch_dims(*self._batch_dims)
         self._engine.tracing = bool(trace)
 
@@ -839,6 +865,15 @@ class Pipe(nn.Module):
             for bn in self._deferred:
                 bn.begin(microbatches)
         return self._engine.forward(input, self.training)
+
+    def schedule_csv(self) -> str:
+        """The order :meth:`train_step` runs, for ``chunks`` micro-batches, as a table in
+        torch.distributed.pipelining's CSV format (one row per device, actions like ``0F3``,
+        ``1I2``, ``1W2``, ``0B1``): save it, edit it, pass it back as
+        ``schedule=gpipe.Schedule(text)``."""
+        if isinstance(self._engine, _NoStages):
+            raise ValueError("a Pipe over an empty Sequential runs no schedule")
+        return self._engine.plan_csv(self.chunks)
 
     def train_step(self, input: TensorOrTensors, target: TensorOrTensors,
                    loss_fn: Callable[[TensorOrTensors, TensorOrTensors], Tensor]) -> Tensor:

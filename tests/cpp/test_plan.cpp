@@ -356,3 +356,52 @@ TEST_CASE("plan: make_plan, names and errors", "[plan]") {
   CHECK(describe(F(2, 3)) == "F(stage 2, micro-batch 3)");
   CHECK(describe(B(0, 1)) == "B(stage 0, micro-batch 1)");
 }
+
+TEST_CASE("plan: torch's CSV schedule format, both ways", "[plan]") {
+  using gpipe::detail::plan_from_csv;
+  using gpipe::detail::plan_to_csv;
+  // A literal table: 1F1B on 2 rows, 3 micro-batches, idle cells as torch
+  // writes them (None -> empty), spaces and a trailing newline.
+  const Plan table = plan_from_csv(
+      "0F0,0F1,,0B0,0F2,0B1,,0B2\n"
+      ",1F0,1B0,1F1,1B1,1F2, 1B2 \n");
+  CHECK(table.kind == PlanKind::Custom);
+  CHECK(table.workers == 2);
+  CHECK(table.stages == 2);
+  CHECK(table.microbatches == 3);
+  CHECK(table.lists[0] == std::vector<Task>{F(0, 0), F(0, 1), B(0, 0), F(0, 2), B(0, 1),
+                                            B(0, 2)});
+  CHECK(table.lists[1] == std::vector<Task>{F(1, 0), B(1, 0), F(1, 1), B(1, 1), F(1, 2),
+                                            B(1, 2)});
+  CHECK(plan_to_csv(table) == "0F0,0F1,0B0,0F2,0B1,0B2\n1F0,1B0,1F1,1B1,1F2,1B2\n");
+  // Every generated plan survives the round trip (virtual stages, I and W).
+  for (const Plan& p : {gpipe_plan(3, 4), one_f_one_b_plan(4, 8), interleaved_1f1b_plan(2, 3, 5),
+                        zb_h1_plan(4, 6)}) {
+    const Plan back = plan_from_csv(plan_to_csv(p));
+    CHECK(back.lists == p.lists);
+    CHECK(back.stages == p.stages);
+    CHECK(back.microbatches == p.microbatches);
+  }
+  CHECK(plan_to_csv(zb_h1_plan(2, 2)) == "0F0,0F1,0I0,0W0,0I1,0W1\n1F0,1I0,1F1,1I1,1W0,1W1\n");
+}
+
+TEST_CASE("plan: a bad CSV schedule is refused, naming the cell or the actions", "[plan]") {
+  using gpipe::detail::plan_from_csv;
+  CHECK_THROWS_WITH(plan_from_csv(""), Contains("has no rows"));
+  CHECK_THROWS_WITH(plan_from_csv("0F0,0X1\n"),
+                    Contains("row 0, cell 1 ('0X1') is not an action") &&
+                        Contains("<stage><F|I|W|B><micro-batch>"));
+  CHECK_THROWS_WITH(plan_from_csv("0F0,F1\n"), Contains("('F1') is not an action"));
+  CHECK_THROWS_WITH(plan_from_csv("0F0,0SEND_F0,0B0\n"),
+                    Contains("SEND_F is not a compute action") && Contains("compute_only"));
+  CHECK_THROWS_WITH(plan_from_csv("0F0,0UNSHARD\n"), Contains("UNSHARD is not a compute action"));
+  // Stage 1 in row 0 of a 2-row table: a V placement.
+  CHECK_THROWS_WITH(plan_from_csv("0F0,1F0,1B0,0B0\n2F0,3F0,3B0,2B0\n"),
+                    Contains("F(stage 1, micro-batch 0) is in row 0, but gpipe runs stage 1 on "
+                             "row 1") &&
+                        Contains("not supported yet"));
+  CHECK_THROWS_WITH(plan_from_csv("0F0,0F1,0B0\n1F0,1F1,1B0,1B1\n"),
+                    Contains("B(stage 0, micro-batch 1) is missing"));
+  // Row 0 waits for B(1, 0) before F(0, 0), which row 1 needs first: a cycle.
+  CHECK_THROWS_WITH(plan_from_csv("0B0,0F0\n1F0,1B0\n"), Contains("deadlock"));
+}

@@ -1,0 +1,192 @@
+"""Schedules as data (issue 26 item 2): torch.distributed.pipelining's CSV action tables run as
+``schedule=gpipe.Schedule(...)``, in-process and over Gloo ranks, exactly as the plain model;
+``pipe.schedule_csv()`` exports the table a pipe runs, which torch's own parser reads."""
+import copy
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import gpipe
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_distributed as td  # noqa: E402
+
+# 1F1B over 2 rows and 3 micro-batches as torch writes it: idle ticks are empty cells.
+ONE_F_ONE_B = "0F0,0F1,,0B0,0F2,0B1,,0B2\n,1F0,1B0,1F1,1B1,1F2,1B2\n"
+# A zero-bubble table written by hand: B split into I and W, the W's late.
+ZERO_BUBBLE = "0F0,0F1,0I0,0F2,0I1,0I2,0W0,0W1,0W2\n1F0,1I0,1F1,1I1,1W0,1F2,1I2,1W1,1W2\n"
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 6), nn.ReLU(),
+                         nn.Linear(6, 4)).double()
+
+
+def train(pipe_or_model, steps=2, step=None):
+    """Two SGD steps; the losses and the parameters after them."""
+    torch.manual_seed(9)
+    data = [(torch.randn(9, 5, dtype=torch.double), torch.randn(9, 4, dtype=torch.double))
+            for _ in range(steps)]
+    opt = torch.optim.SGD(pipe_or_model.parameters(), lr=0.1)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        if step is None:
+            loss = nn.functional.mse_loss(pipe_or_model(x), y)
+            loss.backward()
+        else:
+            loss = step(x, y)
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in pipe_or_model.parameters()]
+
+
+def train_pipe(pipe):
+    return train(pipe, step=lambda x, y: pipe.train_step(x, y, nn.functional.mse_loss))
+
+
+@pytest.mark.parametrize("text", [ONE_F_ONE_B, ZERO_BUBBLE], ids=["1f1b", "zero-bubble"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_csv_table_trains_as_the_plain_model(text, checkpoint):
+    schedule = gpipe.Schedule(text)
+    assert (schedule.rows, schedule.stages, schedule.microbatches) == (2, 2, 3)
+    pipe = gpipe.Pipe(model(), balance=[3, 2], devices=["cpu", "cpu"], chunks=3,
+                      checkpoint=checkpoint, schedule=schedule)
+    want_losses, want_params = train(model())
+    losses, params = train_pipe(pipe)
+    assert max(abs(a - b) for a, b in zip(losses, want_losses)) <= 1e-10
+    for got, want in zip(params, want_params):
+        assert (got - want).abs().max().item() <= 1e-10
+    assert pipe.schedule_csv() == text.replace(",,", ",").replace("\n,", "\n").replace(" ", "")
+
+
+@pytest.mark.parametrize("name,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
+                                          ("zb_h1", 1)])
+def test_every_built_in_schedule_exported_and_loaded_back_runs_bitwise_the_same(name, virtual):
+    balance = [2, 1, 1, 1] if virtual == 1 else [2, 1, 1, 1]  # 4 devices, or 2 x 2 stages
+    devices = ["cpu"] * (len(balance) // virtual)
+    seq = model()
+    built_in = gpipe.Pipe(copy.deepcopy(seq), balance=balance, devices=devices, chunks=4,
+                          schedule=name, virtual_stages=virtual)
+    table = gpipe.Schedule(built_in.schedule_csv())
+    assert table.stages == len(balance) and table.rows == len(devices)
+    loaded = gpipe.Pipe(copy.deepcopy(seq), balance=balance, devices=devices, chunks=4,
+                        schedule=table)
+    assert loaded.virtual_stages == virtual
+    assert loaded.schedule_csv() == built_in.schedule_csv()
+    a, b = train_pipe(built_in), train_pipe(loaded)
+    assert a[0] == b[0]
+    assert all(torch.equal(p, q) for p, q in zip(a[1], b[1]))
+
+
+def test_torchs_parser_reads_what_gpipe_writes(tmp_path):
+    from torch.distributed.pipelining.schedules import _Action
+
+    pipe = gpipe.Pipe(model(), balance=[2, 2, 1], devices=["cpu"] * 3, chunks=4,
+                      schedule="zb_h1")
+    path = tmp_path / "zb.csv"
+    gpipe.Schedule(pipe.schedule_csv()).save(path)
+    rows = [line.split(",") for line in path.read_text().splitlines()]
+    actions = [[_Action.from_str(a) for a in row] for row in rows]
+    assert [[repr(a) for a in row] for row in actions] == rows
+    assert {a.computation_type.value for row in actions for a in row} == {"F", "I", "W"}
+    assert gpipe.Schedule.from_csv(path) == gpipe.Schedule(pipe.schedule_csv())
+
+
+def test_from_rows_takes_torchs_pipeline_order_with_idle_ticks():
+    rows = [["0F0", "0F1", None, "0B0", "0F2", "0B1", None, "0B2"],
+            [None, "1F0", "1B0", "1F1", "1B1", "1F2", "1B2"]]
+    assert gpipe.Schedule.from_rows(rows) == gpipe.Schedule(ONE_F_ONE_B)
+    assert gpipe.Schedule(ONE_F_ONE_B).to_rows() == [[a for a in row if a] for row in rows]
+
+
+@pytest.mark.parametrize("text,words", [
+    ("0F0,0Q1\n", ["row 0, cell 1 ('0Q1') is not an action", "'0F3'"]),
+    ("0F0,0SEND_F0,0B0\n", ["SEND_F is not a compute action", "compute_only"]),
+    ("0F0,1F0,1B0,0B0\n2F0,3F0,3B0,2B0\n", ["is in row 0, but gpipe runs stage 1 on row 1",
+                                            "not supported yet"]),
+    ("0F0,0F1,0B0\n1F0,1F1,1B0,1B1\n", ["B(stage 0, micro-batch 1) is missing"]),
+    ("0B0,0F0\n1F0,1B0\n", ["deadlock"]),
+])
+def test_a_bad_table_is_refused_naming_the_actions(text, words):
+    with pytest.raises(ValueError) as e:
+        gpipe.Schedule(text)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_a_table_that_does_not_fit_the_pipe_is_refused():
+    schedule = gpipe.Schedule(ONE_F_ONE_B)
+    with pytest.raises(ValueError, match="the schedule runs 3 micro-batches but chunks is 4; "
+                                         "pass chunks=3"):
+        gpipe.Pipe(model(), balance=[3, 2], devices=["cpu"] * 2, chunks=4, schedule=schedule)
+    with pytest.raises(ValueError, match="the schedule has 2 rows but the pipe runs on 3 devices"):
+        gpipe.Pipe(model(), balance=[2, 2, 1], devices=["cpu"] * 3, chunks=3, schedule=schedule)
+    with pytest.raises(ValueError, match="virtual_stages is 3 but the schedule's table runs 1"):
+        gpipe.Pipe(model(), balance=[3, 2], chunks=3, schedule=schedule, virtual_stages=3)
+    with pytest.raises(TypeError, match="Schedule takes the CSV text"):
+        gpipe.Schedule(["0F0"])  # type: ignore[arg-type]
+    # A batch too small for the table's micro-batches: refused, and the pipe trains on.
+    pipe = gpipe.Pipe(model(), balance=[3, 2], devices=["cpu"] * 2, chunks=3, schedule=schedule)
+    with pytest.raises(ValueError, match="this batch makes 2 micro-batches"):
+        pipe.train_step(torch.randn(2, 5, dtype=torch.double),
+                        torch.randn(2, 4, dtype=torch.double), nn.functional.mse_loss)
+    assert train_pipe(pipe)[0]
+
+
+def test_a_pipe_with_a_table_pickles():
+    import pickle
+
+    pipe = gpipe.Pipe(model(), balance=[3, 2], chunks=3, schedule=gpipe.Schedule(ZERO_BUBBLE))
+    twin = pickle.loads(pickle.dumps(pipe))
+    assert twin.schedule == pipe.schedule and twin.schedule_csv() == pipe.schedule_csv()
+    assert train_pipe(twin)[0] == train_pipe(copy.deepcopy(pipe))[0]
+
+
+# -- over Gloo ranks ---------------------------------------------------------------------------
+
+def _worker_csv() -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import gpipe.distributed
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    for name, text in (("1f1b", ONE_F_ONE_B), ("zero-bubble", ZERO_BUBBLE)):
+        want_losses, want_params = train(model())
+        pipe = gpipe.distributed.Pipe(model(), [3, 2], chunks=3, schedule=gpipe.Schedule(text))
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        torch.manual_seed(9)
+        losses = []
+        for _ in range(2):
+            x, y = torch.randn(9, 5, dtype=torch.double), torch.randn(9, 4, dtype=torch.double)
+            opt.zero_grad()
+            loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                                   loss_fn=nn.functional.mse_loss)
+            opt.step()
+            losses.append(None if loss is None else loss.item())
+        reference = dict(model().named_parameters())
+        errors = [max(abs(a - b) for a, b in zip(losses, want_losses) if a is not None)
+                  if pipe.is_last else 0.0]
+        want = dict(zip(reference, want_params))
+        errors += [(p - want[n]).abs().max().item() for n, p in pipe.named_parameters()]
+        td._report(check=name, error=max(errors), csv=pipe.schedule_csv())
+    dist.destroy_process_group()
+
+
+def test_a_csv_table_over_two_gloo_ranks():
+    run = td._spawn("csv", world=2, script=__file__)
+    assert run["codes"] == [0, 0], run["logs"]
+    for name, text in (("1f1b", ONE_F_ONE_B), ("zero-bubble", ZERO_BUBBLE)):
+        for rank, r in td._results(run, name).items():
+            assert r["error"] <= 1e-10, (name, rank, r)
+            assert r["csv"] == gpipe.Schedule(text).csv, (name, rank, r)
+
+
+if __name__ == "__main__":
+    {"csv": _worker_csv}[sys.argv[1]]()
