@@ -25,8 +25,10 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
                     "(from your launcher, or c10d::resolve_process_group(name))");
   const int64_t ranks = group->getSize();
   rank_ = group->getRank();
-  const int64_t v = options_.virtual_stages();
+  int64_t v = options_.virtual_stages();
   GPIPE_CHECK_VALUE(v >= 1, "virtual_stages must be at least 1, got ", v);
+  auto table = detail::schedule_table(options_.schedule_csv(), v);
+  options_.virtual_stages(v);
   const auto& balance = options_.balance();
   const int64_t stages = ranks * v;
   GPIPE_CHECK_VALUE(static_cast<int64_t>(balance.size()) == stages, "balance has ",
@@ -90,7 +92,7 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
   std::vector<detail::Setting> settings{
       {"balance", detail::listed(balance)},
       {"chunks", std::to_string(options_.chunks())},
-      {"schedule", to_string(options_.schedule())},
+      {"schedule", table ? options_.schedule_csv() : to_string(options_.schedule())},
       {"virtual_stages", std::to_string(v)},
       {"checkpoint", to_string(options_.checkpoint())},
       {"batch_dim", detail::listed(options_.batch_dim())},
@@ -99,6 +101,8 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
   auto layers = detail::parameter_settings(parameters);
   settings.insert(settings.end(), layers.begin(), layers.end());
   engine_->check_agreement(settings, "DistributedPipe");
+  // After the ranks agreed on it: it fits on every rank or on none.
+  if (table) engine_->set_plan(std::move(*table));
   engine_->set_ties(std::move(ties));
   if (options_.dp_group()) {
     GPIPE_CHECK_VALUE(options_.bucket_cap_mb() > 0, "bucket_cap_mb must be positive, got ",
@@ -109,6 +113,10 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
 }
 
 DistributedPipeImpl::~DistributedPipeImpl() = default;
+
+std::string DistributedPipeImpl::schedule_csv() {
+  return detail::plan_to_csv(engine_->plan(options_.chunks()));
+}
 
 torch::Tensor DistributedPipeImpl::run_train_step(detail::Batch input, detail::Batch target,
                                                   const detail::LossFn& fn, const char* name) {

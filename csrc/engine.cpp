@@ -183,6 +183,23 @@ PlanKind plan_kind(gpipe::Schedule schedule) {
   return PlanKind::GPipe;
 }
 
+std::optional<Plan> schedule_table(const std::string& csv, int64_t& virtual_stages) {
+  if (csv.empty()) return std::nullopt;
+  Plan plan;
+  try {
+    plan = plan_from_csv(csv);
+  } catch (const std::invalid_argument& e) {
+    GPIPE_CHECK_VALUE(false, e.what());
+  }
+  const int64_t table = plan.stages / plan.workers;
+  GPIPE_CHECK_VALUE(virtual_stages == 1 || virtual_stages == table, "virtual_stages is ",
+                    virtual_stages, " but the schedule's table runs ", table,
+                    " stages per row (", plan.stages, " stages in ", plan.workers,
+                    " rows); leave virtual_stages at 1");
+  virtual_stages = table;
+  return plan;
+}
+
 std::vector<int> intra_op_split(const std::vector<c10::Device>& devices, int64_t option,
                                 int available) {
   GPIPE_CHECK_VALUE(option >= -1, "intra_op_threads is ", option,

@@ -143,6 +143,12 @@ std::vector<int> intra_op_split(const std::vector<c10::Device>& devices, int64_t
 /// The plan kind a public gpipe::Schedule names.
 PlanKind plan_kind(gpipe::Schedule schedule);
 
+/// A schedule given as a table (`schedule_csv` options: torch's CSV format,
+/// plan.h), parsed; none for "". Its stages per row fix `virtual_stages`
+/// (1 is taken as unset). Throws ValueError naming the bad cell or action,
+/// or `virtual_stages` when it disagrees.
+std::optional<Plan> schedule_table(const std::string& csv, int64_t& virtual_stages);
+
 /// train_step's loss: one micro-batch's output and target in, a scalar
 /// (mean-reduced over the micro-batch's rows) out.
 using LossFn = std::function<at::Tensor(const Batch& output, const Batch& target)>;

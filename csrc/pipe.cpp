@@ -59,10 +59,12 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
 
   GPIPE_CHECK_VALUE(options_.chunks() >= 1, "chunks must be at least 1, got ", options_.chunks(),
                     "; it is the number of micro-batches per mini-batch");
-  const int64_t v = options_.virtual_stages();
+  int64_t v = options_.virtual_stages();
   GPIPE_CHECK_VALUE(v >= 1, "virtual_stages must be at least 1, got ", v,
                     "; it is the number of stages per device");
-  GPIPE_CHECK_VALUE(v == 1 || options_.schedule() == Schedule::Interleaved1F1B,
+  auto table = detail::schedule_table(options_.schedule_csv(), v);
+  options_.virtual_stages(v);
+  GPIPE_CHECK_VALUE(v == 1 || table || options_.schedule() == Schedule::Interleaved1F1B,
                     "virtual_stages is ", v, " but schedule ", options_.schedule(),
                     " runs one stage per device; use Schedule::Interleaved1F1B, or virtual_stages 1");
 
@@ -168,6 +170,11 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
   engine_->set_skip_routes(std::move(skips.routes));
   engine_->tracer().set_capacity(options_.trace_capacity());
   engine_->tracer().enable(options_.trace());
+  if (table) engine_->set_plan(std::move(*table));
+}
+
+std::string PipeImpl::schedule_csv() {
+  return detail::plan_to_csv(engine_->plan(options_.chunks()));
 }
 
 PipeImpl::~PipeImpl() = default;
@@ -246,7 +253,12 @@ void PipeImpl::to(torch::Device device, bool /*non_blocking*/) {
 void PipeImpl::pretty_print(std::ostream& stream) const {
   stream << "gpipe::Pipe(balance=" << listed(balance()) << ", devices=" << listed(devices())
          << ", chunks=" << chunks() << ", checkpoint=" << checkpoint()
-         << ", schedule=" << options_.schedule();
+         << ", schedule=";
+  if (options_.schedule_csv().empty()) {
+    stream << options_.schedule();
+  } else {
+    stream << "table";  // schedule_csv() shows it
+  }
   if (options_.virtual_stages() != 1) stream << ", virtual_stages=" << options_.virtual_stages();
   const auto& dims = options_.batch_dim();
   if (!(dims.size() == 1 && dims.front() == 0)) {

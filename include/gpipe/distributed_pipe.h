@@ -40,6 +40,9 @@ struct DistributedPipeOptions {
   TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::ExceptLast;
   /// Stages per rank (interleaved_1f1b); 1 otherwise.
   TORCH_ARG(int64_t, virtual_stages) = 1;
+  /// A schedule as data, in place of `schedule`, one row per rank (see
+  /// PipeOptions::schedule_csv); every rank passes the same table.
+  TORCH_ARG(std::string, schedule_csv) = "";
   /// The pipeline's ranks: a Gloo group (its world size 1 needs no
   /// backend). C++ programs get it from their launcher or from Python
   /// (`c10d::resolve_process_group(name)`): the pip wheel ships no Gloo
@@ -141,6 +144,9 @@ class DistributedPipeImpl : public torch::nn::Module {
   bool is_first() const noexcept { return is_first_; }
   /// Whether this rank holds the last stage (it takes the target).
   bool is_last() const noexcept { return is_last_; }
+  /// The order `train_step` runs on every rank, as a CSV table (one row per
+  /// rank; see PipeOptions::schedule_csv).
+  std::string schedule_csv();
   /// The options it was built with.
   const DistributedPipeOptions& options() const noexcept { return options_; }
 

@@ -129,6 +129,14 @@ struct PipeOptions {
   /// then has `virtual_stages` x W entries for W devices, and stage s runs
   /// on `devices[s % W]`. 1: one stage per device.
   TORCH_ARG(int64_t, virtual_stages) = 1;
+  /// A schedule as data, in place of `schedule`: torch.distributed.pipelining's
+  /// CSV format, one row of compute actions per device ("0F0,0F1,0B0,...";
+  /// "0F3" forward of micro-batch 3 on stage 0, "1B2" backward, "1I2" / "1W2"
+  /// its halves; empty cells idle). Its stages fix `virtual_stages`, its
+  /// micro-batches must equal `chunks`; stage s runs on row s mod rows. A bad
+  /// or deadlocking table throws ValueError naming the actions. Empty: use
+  /// `schedule`. `Pipe::schedule_csv()` gives the table a pipe runs.
+  TORCH_ARG(std::string, schedule_csv) = "";
 };
 
 }  // namespace gpipe

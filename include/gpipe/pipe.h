@@ -126,6 +126,9 @@ class PipeImpl : public torch::nn::Module {
   Checkpoint checkpoint() const noexcept { return options_.checkpoint(); }
   /// The resolved options (balance and devices filled in).
   const PipeOptions& options() const noexcept { return options_; }
+  /// The order `train_step` runs for `chunks` micro-batches, as a table in
+  /// torch.distributed.pipelining's CSV format (see PipeOptions::schedule_csv).
+  std::string schedule_csv();
 
   /// Switches tracing on or off: while on, every forward, backward,
   /// recompute and cross-device copy is recorded with its stage,

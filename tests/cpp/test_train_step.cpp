@@ -462,3 +462,54 @@ TEST_CASE("train_step: a train_step inside another Pipe's layer is refused at on
   // Both still work on their own.
   within_deadline([&] { return inner->train_step(x, x, mse); });
 }
+
+TEST_CASE("train_step: a schedule given as a CSV table runs as the plain model, both ways",
+          "[train_step]") {
+  // A zero-bubble table for 3 devices, 4 micro-batches: B split into I
+  // and W, written as torch.distributed.pipelining writes its schedules.
+  const std::string table =
+      "0F0,0F1,0F2,,0I0,0F3,0I1,0W0,0I2,0W1,0I3,0W2,0W3\n"
+      "1F0,1F1,1I0,1F2,1I1,1F3,1I2,1W0,1I3,1W1,1W2,1W3\n"
+      "2F0,2I0,2F1,2I1,2F2,2I2,2F3,2I3,2W0,2W1,2W2,2W3\n";
+  for (auto mode : {Checkpoint::Always, Checkpoint::Never}) {
+    INFO("checkpoint " << mode);
+    auto model = inplace_mlp(3);
+    auto ref = deep_copy(model);
+    gpipe::Pipe pipe(model, options_for({Schedule::OneFOneB, {2, 2, 2}, 3, 1}, 4, mode)
+                                .schedule_csv(table));
+    CHECK(pipe->schedule_csv() ==
+          "0F0,0F1,0F2,0I0,0F3,0I1,0W0,0I2,0W1,0I3,0W2,0W3\n"
+          "1F0,1F1,1I0,1F2,1I1,1F3,1I2,1W0,1I3,1W1,1W2,1W3\n"
+          "2F0,2I0,2F1,2I1,2F2,2I2,2F3,2I3,2W0,2W1,2W2,2W3\n");
+    auto x = randn64({8, 4});
+    auto y = randn64({8, 3});
+    auto loss = pipe->train_step(x, y, mse);
+    auto want = torch::mse_loss(ref->forward(x), y);
+    want.backward();
+    CHECK(max_abs_diff(loss, want) <= kTolerance);
+    check_param_grads(*pipe, *ref);
+  }
+  // The built-in interleaved plan, exported and loaded back, fixes
+  // virtual_stages itself.
+  gpipe::Pipe interleaved(inplace_mlp(3),
+                          options_for({Schedule::Interleaved1F1B, {1, 1, 1, 1, 1, 1}, 3, 2}, 5,
+                                      Checkpoint::ExceptLast));
+  gpipe::Pipe loaded(inplace_mlp(3),
+                     options_for({Schedule::GPipe, {1, 1, 1, 1, 1, 1}, 3, 1}, 5,
+                                 Checkpoint::ExceptLast)
+                         .schedule_csv(interleaved->schedule_csv()));
+  CHECK(loaded->options().virtual_stages() == 2);
+  CHECK(loaded->schedule_csv() == interleaved->schedule_csv());
+  // Tables that do not fit, or are not tables.
+  auto with = [&](const std::string& csv, int64_t chunks) {
+    gpipe::Pipe p(inplace_mlp(3), options_for({Schedule::OneFOneB, {2, 2, 2}, 3, 1}, chunks,
+                                               Checkpoint::Never)
+                                      .schedule_csv(csv));
+  };
+  CHECK_THROWS_WITH(with(table, 5), Catch::Contains("the schedule runs 4 micro-batches but chunks "
+                                                    "is 5; pass chunks=4"));
+  CHECK_THROWS_WITH(with("0F0,0B0\n1F0,1B0\n", 1),
+                    Catch::Contains("the schedule has 2 rows but the pipe runs on 3 devices"));
+  CHECK_THROWS_WITH(with("0F0,0B0,0Z0\n", 1), Catch::Contains("('0Z0') is not an action"));
+  CHECK_THROWS_AS(with("0F0,0B0,0Z0\n", 1), c10::ValueError);
+}
