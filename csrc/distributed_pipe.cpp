@@ -94,7 +94,9 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
       {"chunks", std::to_string(options_.chunks())},
       {"schedule", table ? options_.schedule_csv() : to_string(options_.schedule())},
       {"virtual_stages", std::to_string(v)},
-      {"checkpoint", to_string(options_.checkpoint())},
+      {"checkpoint", options_.stage_checkpoints().empty()
+                         ? to_string(options_.checkpoint())
+                         : detail::listed(options_.stage_checkpoints())},
       {"batch_dim", detail::listed(options_.batch_dim())},
       {"output_batch_dim", detail::listed(options_.output_batch_dim())},
       detail::ties_setting(ties)};
@@ -103,6 +105,9 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
   engine_->check_agreement(settings, "DistributedPipe");
   // After the ranks agreed on it: it fits on every rank or on none.
   if (table) engine_->set_plan(std::move(*table));
+  if (!options_.stage_checkpoints().empty()) {
+    engine_->set_stage_checkpoints(options_.stage_checkpoints());
+  }
   engine_->set_ties(std::move(ties));
   if (options_.dp_group()) {
     GPIPE_CHECK_VALUE(options_.bucket_cap_mb() > 0, "bucket_cap_mb must be positive, got ",

@@ -183,6 +183,23 @@ PlanKind plan_kind(gpipe::Schedule schedule) {
   return PlanKind::GPipe;
 }
 
+std::vector<int64_t> Engine::checkpoint_stops(int64_t microbatches, bool training) const {
+  std::vector<int64_t> stops(static_cast<size_t>(all_stages_), 0);
+  if (!training) return stops;
+  for (size_t s = 0; s < stops.size(); ++s) {
+    stops[s] = checkpointed_microbatches(
+        stage_checkpoints_.empty() ? checkpoint_ : stage_checkpoints_[s], microbatches);
+  }
+  return stops;
+}
+
+void Engine::set_stage_checkpoints(std::vector<Checkpoint> modes) {
+  GPIPE_CHECK_VALUE(static_cast<int64_t>(modes.size()) == all_stages_, "checkpoint has ",
+                    modes.size(), " modes for ", all_stages_,
+                    " stages; give one mode, or one per stage");
+  stage_checkpoints_ = std::move(modes);
+}
+
 std::optional<Plan> schedule_table(const std::string& csv, int64_t& virtual_stages) {
   if (csv.empty()) return std::nullopt;
   Plan plan;
@@ -402,7 +419,8 @@ Batch Engine::forward(const Batch& input, bool training) {
   run->forward_state.emplace();
   const int64_t step = tracer_.enabled() ? tracer_.next_step() : 0;
   run->step = step;
-  const int64_t stop = graph && training ? checkpointed_microbatches(checkpoint_, m) : 0;
+  const auto stops = checkpoint_stops(m, graph && training);
+  const bool any_checkpoint = std::any_of(stops.begin(), stops.end(), [](int64_t n) { return n > 0; });
   const std::optional<uint64_t> seed = begin_draws(m);
 
   // The input was produced on the caller's current streams: every
@@ -434,7 +452,8 @@ Batch Engine::forward(const Batch& input, bool training) {
   // stashes for micro-batch i before it hands i on, so by the time i
   // reaches the popping stage its skips are there: no receive here waits.
   Mailboxes skip_mail(k, m, skips_.size());
-  const CellFn cell = [this, &r, &skip_mail, stop, step, seed](int64_t j, const Action& action,
+  const CellFn cell = [this, &r, &skip_mail, &stops, any_checkpoint, step, seed](
+                          int64_t j, const Action& action,
                                                                Payload in,
                                                                const char*& /*phase*/) {
     Stage& stage = *stages_[static_cast<size_t>(j)];
@@ -448,8 +467,8 @@ Batch Engine::forward(const Batch& input, bool training) {
       TORCH_INTERNAL_ASSERT(received);
     }
     Span span(tracer_, step, j, i, TracePhase::Forward, stage.lane().compute);
-    Batch y = stage.forward(r.cells[static_cast<size_t>(j)][static_cast<size_t>(i)], x, i < stop,
-                            stop > 0, CellDraws{i, seed});
+    Batch y = stage.forward(r.cells[static_cast<size_t>(j)][static_cast<size_t>(i)], x,
+                            i < stops[static_cast<size_t>(j)], any_checkpoint, CellDraws{i, seed});
     span.finish();
     auto ready = mark(stage.lane().compute);
     const auto& leaving = skips_.leaving[static_cast<size_t>(j)];

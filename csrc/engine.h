@@ -258,6 +258,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void set_plan(Plan plan);
   /// The plan train_step runs for `microbatches` micro-batches (validated).
   const Plan& plan(int64_t microbatches);
+  /// A checkpoint mode per stage (the pipeline's stages, over a group every
+  /// rank's), in place of the engine's one mode: under 1F1B-like schedules
+  /// early stages hold the most micro-batches in flight, so they may
+  /// checkpoint while later ones keep their graphs. Throws ValueError for
+  /// another count than the stages.
+  void set_stage_checkpoints(std::vector<Checkpoint> modes);
   PlanKind plan_kind() const noexcept { return plan_kind_; }
 
   /// The stages this engine runs (over a group: this rank's).
@@ -380,6 +386,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   BatchDims input_dims_{0};
   BatchDims output_dims_{0};
   Checkpoint checkpoint_;
+  // Per stage (all stages); empty: checkpoint_ for every stage.
+  std::vector<Checkpoint> stage_checkpoints_;
+  // How many micro-batches each stage (all stages) checkpoints in a step of
+  // `microbatches`; zeros unless `training`.
+  std::vector<int64_t> checkpoint_stops(int64_t microbatches, bool training) const;
   /// Whether some default generator is drawn from by stages on several
   /// workers (the RNG rule, rng.h).
   bool shared_generators_ = false;

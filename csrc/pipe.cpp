@@ -171,6 +171,9 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
   engine_->tracer().set_capacity(options_.trace_capacity());
   engine_->tracer().enable(options_.trace());
   if (table) engine_->set_plan(std::move(*table));
+  if (!options_.stage_checkpoints().empty()) {
+    engine_->set_stage_checkpoints(options_.stage_checkpoints());
+  }
 }
 
 std::string PipeImpl::schedule_csv() {
@@ -252,7 +255,13 @@ void PipeImpl::to(torch::Device device, bool /*non_blocking*/) {
 
 void PipeImpl::pretty_print(std::ostream& stream) const {
   stream << "gpipe::Pipe(balance=" << listed(balance()) << ", devices=" << listed(devices())
-         << ", chunks=" << chunks() << ", checkpoint=" << checkpoint()
+         << ", chunks=" << chunks() << ", checkpoint=";
+  if (options_.stage_checkpoints().empty()) {
+    stream << checkpoint();
+  } else {
+    stream << listed(options_.stage_checkpoints());
+  }
+  stream
          << ", schedule=";
   if (options_.schedule_csv().empty()) {
     stream << options_.schedule();

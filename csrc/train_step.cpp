@@ -30,6 +30,7 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -461,7 +462,8 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
   }
 
   const int64_t step = tracer_.enabled() ? tracer_.next_step() : 0;
-  const int64_t stop = training ? checkpointed_microbatches(checkpoint_, m) : 0;
+  const auto stops = checkpoint_stops(m, training);
+  const bool any_checkpoint = std::any_of(stops.begin(), stops.end(), [](int64_t n) { return n > 0; });
   const at::ThreadLocalState forward_state;
   const std::optional<uint64_t> seed = begin_draws(m);
 
@@ -536,7 +538,8 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
         return;  // cancelled
       }
       Span span(tracer_, step, s, i, TracePhase::Forward, lane.compute);
-      Batch y = stage.forward(cell, x, i < stop, stop > 0, CellDraws{i, seed});
+      Batch y = stage.forward(cell, x, i < stops[static_cast<size_t>(s)], any_checkpoint,
+                              CellDraws{i, seed});
       span.finish();
       if (loss_fn) outside.reach(cell.cut, local(s));
       if (s + 1 < s_count) {

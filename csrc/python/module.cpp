@@ -254,6 +254,11 @@ class PyEngine {
   }
 
   void set_bucket_cap(int64_t bytes) { engine_->set_bucket_cap(bytes); }
+  void set_stage_checkpoints(const std::vector<std::string>& modes) {
+    std::vector<gpipe::Checkpoint> parsed;
+    for (const auto& m : modes) parsed.push_back(parse_checkpoint(m));
+    engine_->set_stage_checkpoints(std::move(parsed));
+  }
   void set_plan_csv(const std::string& text) { engine_->set_plan(plan_from_csv_or_raise(text)); }
   std::string plan_csv(int64_t microbatches) {
     return detail::plan_to_csv(engine_->plan(microbatches));
@@ -384,6 +389,8 @@ one per value, None for a value not cut; an empty output list follows input.)doc
           "Where the trace's times count from, in nanoseconds on the host's steady clock "
           "(CLOCK_MONOTONIC on Linux, as time.monotonic_ns()): origin + start_us lines up "
           "the traces of several processes on one machine.")
+      .def("set_stage_checkpoints", &PyEngine::set_stage_checkpoints, py::arg("modes"),
+           "A checkpoint mode per stage (the pipeline's), in place of the one mode.")
       .def("set_plan_csv", &PyEngine::set_plan_csv, py::arg("text"),
            "Makes train_step run the schedule in torch.distributed.pipelining's CSV format "
            "(one row of compute actions per device or rank); ValueError when it does not fit "

@@ -38,6 +38,9 @@ struct DistributedPipeOptions {
   TORCH_ARG(Schedule, schedule) = Schedule::OneFOneB;
   /// Which micro-batches keep only their input and recompute before backward.
   TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::ExceptLast;
+  /// A mode per stage (all ranks' stages), in place of `checkpoint` (see
+  /// PipeOptions::stage_checkpoints).
+  TORCH_ARG(std::vector<Checkpoint>, stage_checkpoints) = {};
   /// Stages per rank (interleaved_1f1b); 1 otherwise.
   TORCH_ARG(int64_t, virtual_stages) = 1;
   /// A schedule as data, in place of `schedule`, one row per rank (see

@@ -108,6 +108,11 @@ struct PipeOptions {
   }
   /// Which micro-batches are checkpointed in training.
   TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::ExceptLast;
+  /// A mode per stage, in place of `checkpoint` (empty: `checkpoint` for
+  /// every stage): under 1F1B-like schedules stage 0 holds K micro-batches
+  /// in flight and the last stage 1, so early stages may checkpoint while
+  /// later ones keep their graphs, e.g. {Always, ExceptLast, Never, Never}.
+  TORCH_ARG(std::vector<Checkpoint>, stage_checkpoints) = {};
   /// Record every cell from the start (see `PipeImpl::trace`); tracing can
   /// also be switched on and off later with `PipeImpl::set_tracing`.
   TORCH_ARG(bool, trace) = false;

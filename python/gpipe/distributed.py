@@ -7,8 +7,8 @@ from torch import Tensor, nn
 
 from gpipe import _C
 from gpipe.pipe import (BatchDim, _as_int, _batch_dims, _check_balance, _check_input,
-                        _parse_balance, _parse_checkpoint, _parse_chunks, _parse_schedule,
-                        _schedule_stages)
+                        _engine_checkpoint, _parse_balance, _parse_checkpoint, _parse_chunks,
+                        _parse_schedule, _schedule_stages)
 from gpipe.schedule import Schedule
 from gpipe.skip.layout import stage_runners
 from gpipe.skip.skippable import verify_skippables
@@ -89,7 +89,8 @@ class Pipe(nn.Module):
             ``chunks`` rows (every rank plans ``chunks`` micro-batches).
         schedule: 'gpipe', '1f1b' (default), 'interleaved_1f1b' or 'zb_h1', or a
             :class:`gpipe.Schedule` (a CSV table, one row per rank).
-        checkpoint: 'always', 'except_last' (default) or 'never'.
+        checkpoint: 'always', 'except_last' (default) or 'never', or a list of one mode
+            per stage (all ranks' stages).
         virtual_stages: stages per rank (interleaved_1f1b), default 1.
         group: the pipeline's process group (default: the world).
         dp_group: the group of this rank's data-parallel replicas (same
@@ -146,7 +147,7 @@ class Pipe(nn.Module):
     """
 
     def __init__(self, module: nn.Sequential, balance: Any, *, chunks: int = 1,
-                 schedule: str = "1f1b", checkpoint: str = "except_last",
+                 schedule: str = "1f1b", checkpoint: Any = "except_last",
                  virtual_stages: int = 1, group: Optional[Any] = None,
                  dp_group: Optional[Any] = None, device: Optional[Any] = None,
                  bucket_cap_mb: float = 25, batch_dim: BatchDim = 0,
@@ -215,7 +216,8 @@ class Pipe(nn.Module):
         # of its stages.
         parts, routes = stage_runners(
             [layers[starts[s]:starts[s] + balance[s]] for s in range(stages)], parts, self.stages)
-        self._engine = _C.Engine(parts, [self.device] * len(parts), self.chunks, self.checkpoint,
+        self._engine = _C.Engine(parts, [self.device] * len(parts), self.chunks,
+                                 _engine_checkpoint(self.checkpoint),
                                  intra_op_threads=-1, virtual_stages=self.virtual_stages,
                                  schedule=("1f1b" if isinstance(self.schedule, Schedule)
                                            else self.schedule),
@@ -235,7 +237,7 @@ class Pipe(nn.Module):
                     ("schedule", (self.schedule.csv.replace("\n", "; ")
                                   if isinstance(self.schedule, Schedule) else self.schedule)),
                     ("virtual_stages", str(self.virtual_stages)),
-                    ("checkpoint", self.checkpoint), ("batch_dim", str(input_dims)),
+                    ("checkpoint", str(self.checkpoint)), ("batch_dim", str(input_dims)),
                     ("output_batch_dim", str(output_dims)),
                     ("tied parameters", "; ".join(" = ".join(uses) for uses, _, _ in ties)
                      or "none")]
@@ -244,6 +246,8 @@ class Pipe(nn.Module):
         if isinstance(self.schedule, Schedule):
             # After the ranks agreed on it: it fits on every rank or on none.
             self._engine.set_plan_csv(self.schedule.csv)
+        if isinstance(self.checkpoint, list):
+            self._engine.set_stage_checkpoints(self.checkpoint)
         self._tie_groups: Dict[Tuple[int, ...], Any] = {}
         entries = []
         for uses, owners, param in ties:

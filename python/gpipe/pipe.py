@@ -80,13 +80,27 @@ def _parse_chunks(chunks: Any) -> int:
     return chunks
 
 
-def _parse_checkpoint(checkpoint: Any) -> str:
+def _parse_checkpoint(checkpoint: Any) -> Union[str, List[str]]:
+    """A mode, or a list of modes (one per stage)."""
+    if isinstance(checkpoint, (list, tuple)):
+        if not checkpoint:
+            raise ValueError("checkpoint is an empty list; give one mode, or one per stage")
+        return [_parse_checkpoint_mode(c) for c in checkpoint]
+    return _parse_checkpoint_mode(checkpoint)
+
+
+def _parse_checkpoint_mode(checkpoint: Any) -> str:
     # As torchgpipe: anything that prints as a mode (an enum, say) is that mode.
     mode = str(checkpoint)
     if mode not in _CHECKPOINT_MODES:
         raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', got "
                          f"{mode!r}")
     return mode
+
+
+def _engine_checkpoint(checkpoint: Union[str, List[str]]) -> str:
+    """The engine's one mode (a per-stage list is set after: set_stage_checkpoints)."""
+    return checkpoint if isinstance(checkpoint, str) else "never"
 
 
 _SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
@@ -454,7 +468,10 @@ class Pipe(nn.Module):
         checkpoint: ``'always'``, ``'except_last'`` (default) or ``'never'``
             (or anything whose ``str()`` is one): which micro-batches keep only
             their stage inputs in forward and recompute the rest before their
-            backward.
+            backward; or a list with one mode per stage, e.g.
+            ``['always', 'except_last', 'never', 'never']`` (under 1F1B-like
+            schedules stage 0 holds K micro-batches in flight, the last stage
+            one).
         deferred_batch_norm: run BatchNorm layers as ones whose running
             statistics are updated once per mini-batch (see
             :class:`gpipe.batchnorm.DeferredBatchNorm`). The caller's
@@ -504,7 +521,7 @@ class Pipe(nn.Module):
             are dropped); with ``virtual_stages``, one per device, stage s
             running on ``devices[s % len(devices)]``.
         chunks: micro-batches per mini-batch, an int.
-        checkpoint: the checkpoint mode, a str.
+        checkpoint: the checkpoint mode, a str (or a list, one per stage).
         partitions: each stage's layers (the Pipe's own objects), one
             ``nn.Sequential`` per stage in an ``nn.ModuleList``, as
             torchgpipe's; a read-only view that registers nothing, so
@@ -546,12 +563,14 @@ class Pipe(nn.Module):
     devices: List[torch.device]
     #: Micro-batches per mini-batch.
     chunks: int
-    #: Which micro-batches are checkpointed: 'always', 'except_last' or 'never'.
-    checkpoint: str
+    #: Which micro-batches are checkpointed: 'always', 'except_last' or 'never' (or one per
+    #: stage, a list).
+    checkpoint: Union[str, List[str]]
 
     def __init__(self, module: nn.Sequential, balance: Optional[Iterable[int]] = None, *,
                  devices: Optional[Union[Iterable[Device], Device]] = None, chunks: int = 1,
-                 checkpoint: str = "except_last", batch_dim: BatchDim = 0,
+                 checkpoint: Union[str, Sequence[str]] = "except_last",
+                 batch_dim: BatchDim = 0,
                  output_batch_dim: Optional[BatchDim] = None, deferred_batch_norm: bool = False,
                  trace: bool = False, intra_op_threads: int = 0, schedule: str = "1f1b",
                  virtual_stages: int = 1) -> None:
@@ -702,13 +721,16 @@ class Pipe(nn.Module):
         parts, routes = stage_runners(layers, parts)
         table = self.schedule if isinstance(self.schedule, Schedule) else None
         self._engine = (_C.Engine(parts, self._per_stage_devices(), self.chunks,
-                                  self.checkpoint, intra_op_threads=self.intra_op_threads,
+                                  _engine_checkpoint(self.checkpoint),
+                                  intra_op_threads=self.intra_op_threads,
                                   virtual_stages=self.virtual_stages,
                                   schedule="1f1b" if table else self.schedule,
                                   skip_routes=routes)
                         if parts else _NoStages())
         if table is not None and parts:
             self._engine.set_plan_csv(table.csv)
+        if isinstance(self.checkpoint, list) and parts:
+            self._engine.set_stage_checkpoints(self.checkpoint)
         self._engine.set_batch_dims(*self._batch_dims)
         self._engine.tracing = bool(trace)
 

@@ -513,3 +513,41 @@ TEST_CASE("train_step: a schedule given as a CSV table runs as the plain model, 
   CHECK_THROWS_WITH(with("0F0,0B0,0Z0\n", 1), Catch::Contains("('0Z0') is not an action"));
   CHECK_THROWS_AS(with("0F0,0B0,0Z0\n", 1), c10::ValueError);
 }
+
+TEST_CASE("train_step: a checkpoint mode per stage", "[train_step]") {
+  // Issue 26 item 3: {Always, ExceptLast, Never} over 3 stages, 4
+  // micro-batches: stage 0 checkpoints 4, stage 1 3, stage 2 none; the
+  // drop-in forward and train_step both, with the plain model's grads.
+  const std::vector<Checkpoint> modes{Checkpoint::Always, Checkpoint::ExceptLast,
+                                      Checkpoint::Never};
+  for (auto schedule : {Schedule::OneFOneB, Schedule::ZBH1}) {
+    INFO(schedule);
+    auto log = std::make_shared<ProbeLog>();
+    torch::nn::Sequential model;
+    for (int64_t j = 0; j < 3; ++j) {
+      model->push_back(Probe(j, log));
+      model->push_back(MarkedLinear(5, 5));
+    }
+    auto ref = deep_copy(model);
+    gpipe::Pipe pipe(model, gpipe::PipeOptions()
+                                .balance({2, 2, 2})
+                                .devices(std::vector<c10::Device>(3, torch::kCPU))
+                                .chunks(4)
+                                .schedule(schedule)
+                                .stage_checkpoints(modes));
+    const auto x = marked_input(8, 6, 4);
+    const auto y = randn64({8, 6});
+    auto loss = pipe->train_step(x, y, mse);
+    auto want = torch::mse_loss(ref->forward(x), y);
+    want.backward();
+    CHECK(max_abs_diff(loss, want) <= kTolerance);
+    check_param_grads(*pipe, *ref);
+    std::vector<int64_t> checkpointed(3, 0);
+    for (const auto& r : log->take()) checkpointed[static_cast<size_t>(r.stage)] += r.checkpointing;
+    CHECK(checkpointed == std::vector<int64_t>{4, 3, 0});
+  }
+  CHECK_THROWS_WITH(
+      gpipe::Pipe(inplace_mlp(3), gpipe::PipeOptions().balance({2, 2, 2}).chunks(2).stage_checkpoints(
+                                      {Checkpoint::Never, Checkpoint::Never})),
+      Catch::Contains("checkpoint has 2 modes for 3 stages; give one mode, or one per stage"));
+}

@@ -15,11 +15,12 @@ RECOMPUTE = (False, True)  # ... in a recompute
 PLAIN = (False, False)     # ... anywhere else
 
 
-def probed(chunks: int, checkpoint: str) -> Tuple[gpipe.Pipe, List[Counter]]:
+def probed(chunks: int, checkpoint, schedule: str = "1f1b") -> Tuple[gpipe.Pipe, List[Counter]]:
     """Two stages, each opening with a probe that records the flags it sees per call."""
     probes = [Counter(), Counter()]
     seq = nn.Sequential(probes[0], nn.Linear(3, 3), probes[1], nn.Linear(3, 2)).double()
-    return gpipe.Pipe(seq, balance=[2, 2], chunks=chunks, checkpoint=checkpoint), probes
+    return gpipe.Pipe(seq, balance=[2, 2], chunks=chunks, checkpoint=checkpoint,
+                      schedule=schedule), probes
 
 
 def expected_flags(checkpoint: str, m: int) -> List[Tuple[bool, bool]]:
@@ -41,6 +42,47 @@ def test_flags_per_mode(checkpoint, chunks):
     for j, probe in enumerate(probes):
         assert probe.forwards == expected_flags(checkpoint, chunks), f"stage {j}"
         assert probe.backwards == chunks, f"stage {j}: one backward per micro-batch"
+
+
+@pytest.mark.parametrize("modes", [["always", "never"], ["never", "except_last"],
+                                   ["except_last", "always"]])
+def test_a_mode_per_stage(modes):
+    """Issue 26 item 3: checkpoint=[mode per stage]: each stage checkpoints as its own mode
+    says, drop-in and train_step, and the grads are the plain model's."""
+    pipe, probes = probed(3, modes)
+    assert pipe.checkpoint == modes
+    ref = copy.deepcopy(nn.Sequential(*pipe.children()))
+    x = torch.randn(6, 3, dtype=torch.float64)
+    pipe(x).sum().backward()
+    for j, probe in enumerate(probes):
+        assert probe.forwards == expected_flags(modes[j], 3), f"stage {j}"
+    ref(x).sum().backward()
+    assert_same_grads(pipe, ref)
+    # train_step, every schedule: the flags and the grads again.
+    for schedule in ("gpipe", "1f1b", "zb_h1"):
+        pipe, probes = probed(3, modes, schedule)
+        ref = copy.deepcopy(nn.Sequential(*pipe.children()))
+        y = torch.randn(6, 2, dtype=torch.float64)
+        loss = pipe.train_step(x, y, nn.functional.mse_loss)
+        want = nn.functional.mse_loss(ref(x), y)
+        want.backward()
+        assert abs(loss.item() - want.item()) <= 1e-12
+        assert_same_grads(pipe, ref)
+        for j, probe in enumerate(probes):
+            checkpointed = sum(1 for f in probe.forwards if f == FIRST)
+            assert checkpointed == {"always": 3, "except_last": 2, "never": 0}[modes[j]], (
+                schedule, j, probe.forwards)
+
+
+def test_a_mode_per_stage_is_checked():
+    seq = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    with pytest.raises(ValueError, match="checkpoint has 3 modes for 2 stages; give one mode, "
+                                         "or one per stage"):
+        gpipe.Pipe(seq, balance=[1, 1], chunks=2, checkpoint=["never"] * 3)
+    with pytest.raises(ValueError, match="checkpoint is not one of .* got 'sometimes'"):
+        gpipe.Pipe(seq, balance=[1, 1], chunks=2, checkpoint=["never", "sometimes"])
+    with pytest.raises(ValueError, match="checkpoint is an empty list"):
+        gpipe.Pipe(seq, balance=[1, 1], chunks=2, checkpoint=[])
 
 
 def test_flags_with_fewer_rows_than_chunks():

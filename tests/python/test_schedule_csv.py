@@ -1,6 +1,7 @@
 """Schedules as data (issue 26 item 2): torch.distributed.pipelining's CSV action tables run as
 ``schedule=gpipe.Schedule(...)``, in-process and over Gloo ranks, exactly as the plain model;
-``pipe.schedule_csv()`` exports the table a pipe runs, which torch's own parser reads."""
+``pipe.schedule_csv()`` exports the table a pipe runs, which torch's own parser reads. The Gloo
+job also runs a checkpoint mode per stage over the ranks (issue 26 item 3)."""
 import copy
 import os
 import sys
@@ -157,9 +158,13 @@ def _worker_csv() -> None:
     import gpipe.distributed
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    for name, text in (("1f1b", ONE_F_ONE_B), ("zero-bubble", ZERO_BUBBLE)):
+    runs = (("1f1b", ONE_F_ONE_B, "except_last"), ("zero-bubble", ZERO_BUBBLE, "except_last"),
+            # A checkpoint mode per stage (issue 26 item 3), over the ranks.
+            ("stage-checkpoints", ONE_F_ONE_B, ["always", "never"]))
+    for name, text, checkpoint in runs:
         want_losses, want_params = train(model())
-        pipe = gpipe.distributed.Pipe(model(), [3, 2], chunks=3, schedule=gpipe.Schedule(text))
+        pipe = gpipe.distributed.Pipe(model(), [3, 2], chunks=3, schedule=gpipe.Schedule(text),
+                                      checkpoint=checkpoint)
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         torch.manual_seed(9)
         losses = []
@@ -182,7 +187,8 @@ def _worker_csv() -> None:
 def test_a_csv_table_over_two_gloo_ranks():
     run = td._spawn("csv", world=2, script=__file__)
     assert run["codes"] == [0, 0], run["logs"]
-    for name, text in (("1f1b", ONE_F_ONE_B), ("zero-bubble", ZERO_BUBBLE)):
+    for name, text in (("1f1b", ONE_F_ONE_B), ("zero-bubble", ZERO_BUBBLE),
+                       ("stage-checkpoints", ONE_F_ONE_B)):
         for rank, r in td._results(run, name).items():
             assert r["error"] <= 1e-10, (name, rank, r)
             assert r["csv"] == gpipe.Schedule(text).csv, (name, rank, r)
