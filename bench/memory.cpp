@@ -42,6 +42,7 @@
 #include <malloc.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -66,7 +67,7 @@ class CountingAllocator final : public c10::Allocator {
     void* data = inner.get();
     const c10::Device device = inner.device();
     grow(static_cast<int64_t>(bytes));
-    auto owner = std::make_unique<Owned>(Owned{std::move(inner), static_cast<int64_t>(bytes)});
+    auto owner = std::make_unique<Owned>(Owned{std::move(inner), static_cast<int64_t>(bytes), tag_});
     return {data, owner.release(), &CountingAllocator::release, device};
   }
   void copy_data(void* dest, const void* src, size_t count) const override {
@@ -75,28 +76,65 @@ class CountingAllocator final : public c10::Allocator {
 
   static int64_t live() { return live_.load(); }
   static int64_t peak() { return peak_.load(); }
-  static void reset_peak() { peak_.store(live_.load()); }
+  static void reset_peak() {
+    peak_.store(live_.load());
+    for (size_t s = 0; s < kStages; ++s) stage_peak_[s].store(stage_live_[s].load());
+  }
+  // Per stage: the bytes allocated by threads tagged with that stage (a
+  // Tag layer opens each stage and tags its worker) and not yet freed.
+  static constexpr size_t kStages = 16;
+  static void tag_thread(int stage) { tag_ = stage; }
+  static int64_t stage_live(size_t s) { return stage_live_[s].load(); }
+  static int64_t stage_peak(size_t s) { return stage_peak_[s].load(); }
 
  private:
   struct Owned {
     c10::DataPtr inner;
     int64_t bytes;
+    int stage;
   };
   static void release(void* context) {
     std::unique_ptr<Owned> owned(static_cast<Owned*>(context));
     live_.fetch_sub(owned->bytes);
+    if (owned->stage >= 0) stage_live_[static_cast<size_t>(owned->stage)].fetch_sub(owned->bytes);
+  }
+  static void raise_peak(std::atomic<int64_t>& peak, int64_t now) {
+    int64_t seen = peak.load();
+    while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+    }
   }
   static void grow(int64_t bytes) {
-    const int64_t now = live_.fetch_add(bytes) + bytes;
-    int64_t peak = peak_.load();
-    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    raise_peak(peak_, live_.fetch_add(bytes) + bytes);
+    if (tag_ >= 0) {
+      const auto s = static_cast<size_t>(tag_);
+      raise_peak(stage_peak_[s], stage_live_[s].fetch_add(bytes) + bytes);
     }
   }
 
   c10::Allocator* base_;
   static inline std::atomic<int64_t> live_{0};
   static inline std::atomic<int64_t> peak_{0};
+  static inline std::array<std::atomic<int64_t>, kStages> stage_live_{};
+  static inline std::array<std::atomic<int64_t>, kStages> stage_peak_{};
+  static inline thread_local int tag_ = -1;
 };
+
+// Tags the thread running it with `stage` for the CountingAllocator: the
+// first layer of each stage, whose worker runs that stage's forwards and
+// backwards (one stage per worker).
+class TagImpl : public torch::nn::Cloneable<TagImpl> {
+ public:
+  explicit TagImpl(int stage) : stage_(stage) {}
+  void reset() override {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    CountingAllocator::tag_thread(stage_);
+    return x;
+  }
+
+ private:
+  int stage_;
+};
+TORCH_MODULE(Tag);
 
 // A field of /proc/self/status in bytes ("VmRSS", "VmHWM"); -1 if absent.
 int64_t status_bytes(const std::string& field) {
@@ -270,6 +308,66 @@ int measure_schedule(const std::string& schedule, const std::string& mode, bool 
   return 0;
 }
 
+// --measure stages --policy M0,M1,...: per-stage tensor peaks of an
+// activations step (frozen weights, an input that needs grad) of 1F1B's
+// train_step at M = 16, with checkpoint mode M_j on stage j. Prints
+// "ROW policy=... s0=MB s1=MB ... total=MB".
+int measure_stages(const std::string& policy, bool quick) {
+  static CountingAllocator counting(c10::GetCPUAllocator());
+  c10::SetCPUAllocator(&counting, /*priority=*/1);
+  at::set_num_threads(1);
+  const Config c = schedule_config(quick);
+  std::vector<gpipe::Checkpoint> modes;
+  {
+    std::istringstream in(policy);
+    for (std::string m; std::getline(in, m, ',');) modes.push_back(parse_mode(m));
+  }
+  if (static_cast<int64_t>(modes.size()) != c.k) {
+    std::fprintf(stderr, "bench_memory: --policy has %zu modes for %lld stages\n", modes.size(),
+                 static_cast<long long>(c.k));
+    return 2;
+  }
+  torch::manual_seed(0);
+  torch::nn::Sequential model;
+  const int64_t per = c.pairs / c.k;
+  for (int64_t j = 0; j < c.k; ++j) {
+    model->push_back(Tag(static_cast<int>(j)));
+    for (int64_t i = 0; i < per; ++i) {
+      model->push_back(torch::nn::Linear(c.hidden, c.hidden));
+      model->push_back(torch::nn::ReLU());
+    }
+  }
+  for (auto& p : model->parameters()) p.requires_grad_(false);
+  gpipe::Pipe pipe(model,
+                   gpipe::PipeOptions()
+                       .balance(std::vector<int64_t>(static_cast<size_t>(c.k), 2 * per + 1))
+                       .devices(std::vector<c10::Device>(static_cast<size_t>(c.k), torch::kCPU))
+                       .chunks(c.m)
+                       .stage_checkpoints(modes)
+                       .schedule(gpipe::Schedule::OneFOneB));
+  const auto x = torch::randn({c.batch, c.hidden}).requires_grad_(true);
+  const auto target = torch::zeros({c.batch, 1});
+  const gpipe::PipeImpl::LossFn loss = [](const torch::Tensor& out, const torch::Tensor&) {
+    return out.sum();
+  };
+  auto step = [&] { pipe->train_step(x, target, loss); };
+  step();  // warm-up
+  std::vector<int64_t> before;
+  for (int64_t j = 0; j < c.k; ++j) before.push_back(CountingAllocator::stage_live(j));
+  CountingAllocator::reset_peak();
+  const int64_t tensors = CountingAllocator::live();
+  step();
+  std::string row = "ROW policy=" + policy;
+  for (int64_t j = 0; j < c.k; ++j) {
+    const double mb = static_cast<double>(CountingAllocator::stage_peak(j) - before[j]) / (1 << 20);
+    row += " s" + std::to_string(j) + "=" + bench::fixed(mb, 3);
+  }
+  row += " total=" +
+         bench::fixed(static_cast<double>(CountingAllocator::peak() - tensors) / (1 << 20), 3);
+  std::printf("%s\n", row.c_str());
+  return 0;
+}
+
 // --measure time: training steps of all three modes, one Pipe each, in one
 // fresh process with glibc's default malloc, interleaved step by step so a
 // slow spell of this shared machine lands on every mode alike. Prints
@@ -347,12 +445,14 @@ std::vector<double> numbers(const std::string& list) {
 int main(int argc, char** argv) {
   const bool quick = bench::quick(argc, argv);
   const std::vector<std::string> modes = {"always", "except_last", "never"};
-  std::string mode, measure, schedule;
+  std::string mode, measure, schedule, policy;
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::string(argv[i]) == "--mode") mode = argv[i + 1];
     if (std::string(argv[i]) == "--measure") measure = argv[i + 1];
     if (std::string(argv[i]) == "--schedule") schedule = argv[i + 1];
+    if (std::string(argv[i]) == "--policy") policy = argv[i + 1];
   }
+  if (measure == "stages" && !policy.empty()) return measure_stages(policy, quick);
   if (measure == "memory" && !mode.empty()) return measure_memory(mode, quick);
   if (measure == "schedule" && !mode.empty() && !schedule.empty()) {
     return measure_schedule(schedule, mode, quick);
@@ -464,5 +564,37 @@ int main(int argc, char** argv) {
       "except_last_activations_over_gpipe=%.3f always_activations_over_gpipe=%.3f\n",
       over_gpipe("never", "act_tensor_mb"), over_gpipe("never", "train_tensor_mb"),
       over_gpipe("except_last", "act_tensor_mb"), over_gpipe("always", "act_tensor_mb"));
+
+  // ---- a checkpoint mode per stage: per-stage peaks under 1F1B ------------------------------
+  const std::vector<std::string> policies = {"never,never,never,never",
+                                             "always,always,always,always",
+                                             "always,except_last,never,never"};
+  std::map<std::string, std::map<std::string, std::string>> per;
+  for (const auto& p : policies) per[p] = run_child("--measure stages --policy " + p + q);
+  std::printf(
+      "\nmemory: a checkpoint mode per stage: the same MLP (frozen weights, input needs grad), "
+      "1f1b train_step, K=%lld, M=%lld; tensor peak of what each stage's worker allocated and "
+      "had not freed (stage j holds up to K - j micro-batches), MB\n\n",
+      static_cast<long long>(sc.k), static_cast<long long>(sc.m));
+  std::vector<std::string> header{"policy"};
+  for (int64_t j = 0; j < sc.k; ++j) header.push_back("stage " + std::to_string(j));
+  header.push_back("whole step");
+  bench::Table per_table(header);
+  for (const auto& p : policies) {
+    std::vector<std::string> row{p};
+    for (int64_t j = 0; j < sc.k; ++j) row.push_back(per[p]["s" + std::to_string(j)]);
+    row.push_back(per[p]["total"]);
+    per_table.add(row);
+  }
+  per_table.print();
+  const auto& mixed = per[policies[2]];
+  const auto& never = per[policies[0]];
+  std::printf(
+      "\nBENCH memory per_stage policy=always,except_last,never,never stage0_over_never=%.3f "
+      "last_over_never=%.3f total_over_never=%.3f\n",
+      std::stod(mixed.at("s0")) / std::stod(never.at("s0")),
+      std::stod(mixed.at("s" + std::to_string(sc.k - 1))) /
+          std::stod(never.at("s" + std::to_string(sc.k - 1))),
+      std::stod(mixed.at("total")) / std::stod(never.at("total")));
   return 0;
 }
