@@ -183,12 +183,14 @@ PlanKind plan_kind(gpipe::Schedule schedule) {
   return PlanKind::GPipe;
 }
 
-std::vector<int64_t> Engine::checkpoint_stops(int64_t microbatches, bool training) const {
-  std::vector<int64_t> stops(static_cast<size_t>(all_stages_), 0);
+Engine::CheckpointStops Engine::checkpoint_stops(int64_t microbatches, bool training) const {
+  CheckpointStops stops;
+  stops.per_stage.assign(static_cast<size_t>(all_stages_), 0);
   if (!training) return stops;
-  for (size_t s = 0; s < stops.size(); ++s) {
-    stops[s] = checkpointed_microbatches(
+  for (size_t s = 0; s < stops.per_stage.size(); ++s) {
+    stops.per_stage[s] = checkpointed_microbatches(
         stage_checkpoints_.empty() ? checkpoint_ : stage_checkpoints_[s], microbatches);
+    stops.any = stops.any || stops.per_stage[s] > 0;
   }
   return stops;
 }
@@ -419,8 +421,7 @@ Batch Engine::forward(const Batch& input, bool training) {
   run->forward_state.emplace();
   const int64_t step = tracer_.enabled() ? tracer_.next_step() : 0;
   run->step = step;
-  const auto stops = checkpoint_stops(m, graph && training);
-  const bool any_checkpoint = std::any_of(stops.begin(), stops.end(), [](int64_t n) { return n > 0; });
+  const CheckpointStops stops = checkpoint_stops(m, graph && training);
   const std::optional<uint64_t> seed = begin_draws(m);
 
   // The input was produced on the caller's current streams: every
@@ -452,10 +453,9 @@ Batch Engine::forward(const Batch& input, bool training) {
   // stashes for micro-batch i before it hands i on, so by the time i
   // reaches the popping stage its skips are there: no receive here waits.
   Mailboxes skip_mail(k, m, skips_.size());
-  const CellFn cell = [this, &r, &skip_mail, &stops, any_checkpoint, step, seed](
-                          int64_t j, const Action& action,
-                                                               Payload in,
-                                                               const char*& /*phase*/) {
+  const CellFn cell = [this, &r, &skip_mail, &stops, step, seed](int64_t j, const Action& action,
+                                                                Payload in,
+                                                                const char*& /*phase*/) {
     Stage& stage = *stages_[static_cast<size_t>(j)];
     auto guard = on_compute_stream(stage);
     const int64_t i = action.microbatch;
@@ -468,7 +468,8 @@ Batch Engine::forward(const Batch& input, bool training) {
     }
     Span span(tracer_, step, j, i, TracePhase::Forward, stage.lane().compute);
     Batch y = stage.forward(r.cells[static_cast<size_t>(j)][static_cast<size_t>(i)], x,
-                            i < stops[static_cast<size_t>(j)], any_checkpoint, CellDraws{i, seed});
+                            i < stops.per_stage[static_cast<size_t>(j)], stops.any,
+                            CellDraws{i, seed});
     span.finish();
     auto ready = mark(stage.lane().compute);
     const auto& leaving = skips_.leaving[static_cast<size_t>(j)];

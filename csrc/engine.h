@@ -389,8 +389,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Per stage (all stages); empty: checkpoint_ for every stage.
   std::vector<Checkpoint> stage_checkpoints_;
   // How many micro-batches each stage (all stages) checkpoints in a step of
-  // `microbatches`; zeros unless `training`.
-  std::vector<int64_t> checkpoint_stops(int64_t microbatches, bool training) const;
+  // `microbatches` (zeros unless `training`), and whether any stage does.
+  struct CheckpointStops {
+    std::vector<int64_t> per_stage;
+    bool any = false;
+  };
+  CheckpointStops checkpoint_stops(int64_t microbatches, bool training) const;
   /// Whether some default generator is drawn from by stages on several
   /// workers (the RNG rule, rng.h).
   bool shared_generators_ = false;

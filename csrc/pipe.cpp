@@ -261,8 +261,7 @@ void PipeImpl::pretty_print(std::ostream& stream) const {
   } else {
     stream << listed(options_.stage_checkpoints());
   }
-  stream
-         << ", schedule=";
+  stream << ", schedule=";
   if (options_.schedule_csv().empty()) {
     stream << options_.schedule();
   } else {

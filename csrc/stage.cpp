@@ -122,15 +122,10 @@ std::vector<int64_t> versions(const Batch& batch) {
   return v;
 }
 
-// A copy with the original's sizes and strides (a column slice stays a
-// column slice): kernels choose their order of summation from the strides
-// (a matmul's backward does), so a recompute from the copy computes bit for
-// bit what the first forward computed from the original. A tensor whose
-// elements overlap (expanded) cannot be written through its own strides: it
-// is cloned as torch clones it.
+// Whether two elements of `t` share memory (an expanded tensor). Dims by
+// stride, smallest first: no two elements meet if each stride steps past
+// everything the smaller strides reach.
 bool elements_overlap(const at::Tensor& t) {
-  // Dims by stride, smallest first: no two elements meet if each stride
-  // steps past everything the smaller strides reach.
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
   for (int64_t d = 0; d < t.dim(); ++d) {
     if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
@@ -144,6 +139,12 @@ bool elements_overlap(const at::Tensor& t) {
   return false;
 }
 
+// A copy with the original's sizes and strides (a column slice stays a
+// column slice): kernels choose their order of summation from the strides
+// (a matmul's backward does), so a recompute from the copy computes bit for
+// bit what the first forward computed from the original. A tensor whose
+// elements overlap cannot be written through its own strides: it is cloned
+// as torch clones it.
 Batch cloned(const Batch& batch) {
   at::NoGradGuard no_grad;
   Batch b = batch;

@@ -30,7 +30,6 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -462,8 +461,7 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
   }
 
   const int64_t step = tracer_.enabled() ? tracer_.next_step() : 0;
-  const auto stops = checkpoint_stops(m, training);
-  const bool any_checkpoint = std::any_of(stops.begin(), stops.end(), [](int64_t n) { return n > 0; });
+  const CheckpointStops stops = checkpoint_stops(m, training);
   const at::ThreadLocalState forward_state;
   const std::optional<uint64_t> seed = begin_draws(m);
 
@@ -538,7 +536,7 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
         return;  // cancelled
       }
       Span span(tracer_, step, s, i, TracePhase::Forward, lane.compute);
-      Batch y = stage.forward(cell, x, i < stops[static_cast<size_t>(s)], any_checkpoint,
+      Batch y = stage.forward(cell, x, i < stops.per_stage[static_cast<size_t>(s)], stops.any,
                               CellDraws{i, seed});
       span.finish();
       if (loss_fn) outside.reach(cell.cut, local(s));
