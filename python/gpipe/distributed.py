@@ -1,4 +1,7 @@
 """The pipeline over processes: one rank per stage (or per v stages) of an nn.Sequential, over torch.distributed."""
+import atexit
+import sys
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -35,6 +38,46 @@ def _reverse_group(group: Any) -> Any:
         return None
     return dist.new_group(dist.get_process_group_ranks(group), backend="nccl",
                           use_local_synchronization=True)
+
+
+# The pipes of this process, closed at exit (_close_at_exit).
+_pipes: "weakref.WeakSet[Pipe]" = weakref.WeakSet()
+_close_registered = False
+
+
+def _close_at_exit() -> None:
+    """Ends the distributed work at a normal exit, while threads can still take the GIL.
+
+    A Gloo worker thread destroys a finished work (an all_reduce's, or a
+    barrier's that holds the works before it) after the caller's wait has
+    returned, and letting go of a tensor that also has a Python object takes
+    the GIL. If the main thread keeps the GIL until the interpreter begins
+    finalizing, CPython ends the waiting worker with pthread_exit, whose
+    unwinding through the work's noexcept destructor calls std::terminate:
+    "terminate called without an active exception" (SIGABRT) after the
+    script's last line, on one 4-rank launch in 6 to 8 here, with or without
+    gpipe (pytorch/pytorch#190489). Destroying a Gloo group joins its
+    workers, but only when nothing else holds the group, and a pipe does: so
+    the pipes let go first (their own threads are joined too), then the
+    default group goes if the script did not destroy it. atexit runs before
+    finalization begins. After an uncaught exception nothing is touched
+    (another rank may still be in a collective with this one).
+    """
+    if hasattr(sys, "last_value"):
+        return
+    for pipe in list(_pipes):
+        pipe._close()
+    if (dist.is_available() and dist.is_initialized()
+            and dist.get_backend() == "gloo"):
+        dist.destroy_process_group()
+
+
+class _Closed:
+    """Stands for a pipe's engine after _close_at_exit."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError("gpipe.distributed.Pipe was closed at interpreter exit (its threads "
+                           "joined, its process groups released); build a new pipe")
 
 
 def _find_ties(module: nn.Sequential, rank_of_layer: List[int]
@@ -127,6 +170,13 @@ class Pipe(nn.Module):
     owners that the pipe makes (``new_group``, once). Any deterministic
     optimizer then keeps the replicas equal. With ``dp_group`` the sum runs
     after the data-parallel averaging (both are sums: the same result).
+
+    At a normal exit (an atexit hook, before the interpreter finalizes)
+    every pipe joins its threads and lets go of its process groups, and a
+    Gloo default group still initialized is destroyed: Gloo's threads must
+    be gone before finalization, or one may abort the process
+    (docs/distributed.md, Limits). After an uncaught exception nothing is
+    touched. Still end every rank with ``dist.destroy_process_group()``.
 
     Attributes:
         rank: this rank's index in ``group``.
@@ -265,6 +315,17 @@ class Pipe(nn.Module):
             entries.append((uses, owners, param, here, name))
         self._engine.set_ties(entries)
         self.tied_parameters = [(uses, owners) for uses, owners, _ in ties]
+        global _close_registered
+        _pipes.add(self)
+        if not _close_registered:
+            atexit.register(_close_at_exit)
+            _close_registered = True
+
+    def _close(self) -> None:
+        """Joins this pipe's threads and drops its process groups (see _close_at_exit)."""
+        self._engine = _Closed()
+        self.group = self.dp_group = self._reverse_group = None
+        self._tie_groups = {}
 
     def schedule_csv(self) -> str:
         """The order :meth:`train_step` runs on every rank, for ``chunks`` micro-batches, as a
