@@ -57,9 +57,10 @@ def _close_at_exit() -> None:
     "terminate called without an active exception" (SIGABRT) after the
     script's last line, on one 4-rank launch in 6 to 8 here, with or without
     gpipe (pytorch/pytorch#190489). Destroying a Gloo group joins its
-    workers, but only when nothing else holds the group, and a pipe does: so
-    the pipes let go first (their own threads are joined too), then the
-    default group goes if the script did not destroy it. atexit runs before
+    workers, but only when nothing else holds the group. A pipe does, and so
+    does torch itself (_forget_default_arguments): so the pipes let go first
+    (their own threads are joined too), then torch's hold, then the default
+    group goes if the script did not destroy it. atexit runs before
     finalization begins. After an uncaught exception nothing is touched
     (another rank may still be in a collective with this one).
     """
@@ -67,9 +68,33 @@ def _close_at_exit() -> None:
         return
     for pipe in list(_pipes):
         pipe._close()
+    _forget_default_arguments()
     if (dist.is_available() and dist.is_initialized()
             and dist.get_backend() == "gloo"):
         dist.destroy_process_group()
+
+
+def _forget_default_arguments() -> None:
+    """Lets go of the default group that torch.distributed.nn.functional holds.
+
+    That module's functions take ``group=group.WORLD`` as a default argument,
+    evaluated when the module is imported. torch._dynamo imports it, and so
+    does building any optimizer: imported after init_process_group, ten
+    functions hold the default group for good, destroy_process_group cannot
+    free it, and its Gloo threads outlive the interpreter (measured: two
+    worker threads left after destroy_process_group in a script that built
+    an SGD optimizer, none without it). Imported before init, those defaults
+    are None, which the functions read as the default group: they become
+    None here too.
+    """
+    module = sys.modules.get("torch.distributed.nn.functional")
+    if module is None:
+        return
+    for function in vars(module).values():
+        defaults = getattr(function, "__defaults__", None)
+        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            function.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d
+                                          for d in defaults)
 
 
 class _Closed:
@@ -444,3 +469,4 @@ class Pipe(nn.Module):
         if self.virtual_stages != 1:
             text += f", virtual_stages={self.virtual_stages}"
         return text
+
