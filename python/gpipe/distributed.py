@@ -16,7 +16,7 @@ from gpipe.schedule import Schedule
 from gpipe.skip.layout import stage_runners
 from gpipe.skip.skippable import verify_skippables
 
-__all__ = ["Pipe"]
+__all__ = ["Pipe", "clip_grad_norm_"]
 
 TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -470,3 +470,83 @@ class Pipe(nn.Module):
             text += f", virtual_stages={self.virtual_stages}"
         return text
 
+
+def _counted_here(pipe: Pipe) -> Callable[[Tensor], bool]:
+    """Whether this rank counts a parameter in the whole model's norm: a parameter tied
+    across ranks has a replica on each owner, each holding the whole grad, and only the
+    lowest owner counts it."""
+    elsewhere = set()
+    for uses, owners in pipe.tied_parameters:
+        if pipe.rank in owners and owners[0] != pipe.rank:
+            for name in uses:
+                try:
+                    elsewhere.add(id(pipe.get_parameter(name)))
+                except AttributeError:  # a use on another rank
+                    pass
+    return lambda p: id(p) not in elsewhere
+
+
+def clip_grad_norm_(pipe: Pipe, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for the whole pipelined model.
+
+    Every rank of ``pipe.group`` calls it after :meth:`Pipe.train_step`.
+    Returns the norm of all the model's grads, as the plain model's
+    ``clip_grad_norm_`` computes it, on every rank alike. Each rank then
+    scales its own grads by ``max_norm / (norm + 1e-6)`` when that is below
+    1, as torch does.
+
+    What counts once:
+    - a parameter tied across ranks: every owner holds a replica with the
+      whole grad, and the lowest owner counts it;
+    - the replicas of ``dp_group`` (their grads are averaged within the
+      step, so they hold the same grads).
+
+    A grad that is a DTensor (``fully_shard`` or tensor parallelism over
+    other mesh dimensions) counts with its whole value: torch's norm of
+    DTensors, then ``full_tensor()``.
+
+    One all_reduce per call runs over ``pipe.group`` (a sum of
+    ``norm ** norm_type``, or a max for ``inf``), so every rank of the
+    group must call it. ``error_if_nonfinite`` raises on every rank alike,
+    since every rank sees the same norm.
+    """
+    if not isinstance(pipe, Pipe):
+        raise TypeError(f"gpipe.distributed.clip_grad_norm_ takes a gpipe.distributed.Pipe, got "
+                        f"{type(pipe).__name__}; for a model in one process use "
+                        f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)")
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"norm_type must be positive (2.0, 1.0, inf...), got {norm_type}")
+    params = [p for p in pipe.parameters() if p.grad is not None]
+    counted = _counted_here(pipe)
+    grads = [p.grad for p in params if counted(p)]
+    local = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
+    full_tensor = getattr(local, "full_tensor", None)
+    if full_tensor is not None:  # a DTensor: the norm over its mesh
+        local = full_tensor()
+    local = local.to(device=pipe.device, dtype=torch.float64)
+    if norm_type == float("inf"):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pipe.group)
+        total = local
+    else:
+        local = local.pow(norm_type)
+        dist.all_reduce(local, group=pipe.group)
+        total = local.pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the pipe's gradients is non-finite "
+            f"({total.item()}), so they cannot be clipped; pass error_if_nonfinite=False to "
+            f"clip anyway")
+    dtype = grads[0].dtype if grads else torch.get_default_dtype()
+    total = total.to(dtype)
+    plain = [p for p in params if not hasattr(p.grad, "full_tensor")]
+    if plain:
+        torch.nn.utils.clip_grads_with_norm_(plain, max_norm, total, foreach)
+    if len(plain) < len(params):
+        # A DTensor grad takes the factor as a number (the norm is a plain tensor).
+        coef = min(1.0, float(max_norm) / (total.item() + 1e-6))
+        for p in params:
+            if hasattr(p.grad, "full_tensor"):
+                p.grad.mul_(coef)
+    return total
