@@ -340,6 +340,12 @@ class Pipe(nn.Module):
             entries.append((uses, owners, param, here, name))
         self._engine.set_ties(entries)
         self.tied_parameters = [(uses, owners) for uses, owners, _ in ties]
+        # This rank's uses of them, as the tie exchange holds them (_check_ties).
+        self._tied_here: List[Tuple[str, Tensor]] = []
+        for uses, owners, param in ties:
+            for name in uses:
+                if rank_of_layer[names.index(name.split(".", 1)[0])] == self.rank:
+                    self._tied_here.append((name, param))
         global _close_registered
         _pipes.add(self)
         if not _close_registered:
@@ -364,6 +370,16 @@ class Pipe(nn.Module):
                 raise ValueError(f"rank {self.rank} holds stage 0, so {what} needs the input "
                                  f"here: pass {what}(x if pipe.is_first else None, ...)")
             _check_input(input)
+
+    def _check_ties(self) -> None:
+        for name, param in self._tied_here:
+            if self.get_parameter(name) is not param:
+                raise RuntimeError(
+                    f"the parameter {name!r}, tied across ranks, was replaced after the pipe was "
+                    f"built (by fully_shard, or an assignment): the pipe sums the grads of the "
+                    f"Parameter it found at construction, so this one's would be wrong. A tie "
+                    f"across ranks and fully_shard do not compose yet: leave the tied layers "
+                    f"unsharded, or untie the weight")
 
     def train_step(self, input: Optional[TensorOrTensors] = None,
                    target: Optional[TensorOrTensors] = None, *,
@@ -400,6 +416,7 @@ class Pipe(nn.Module):
                 raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got "
                                 f"{loss_fn!r}")
             self._check_step(input, "train_step")
+            self._check_ties()
             if self.is_last:
                 if target is None:
                     raise ValueError(f"rank {self.rank} holds the last stage, so train_step "

@@ -162,7 +162,26 @@ def _worker_clip_fsdp() -> None:
             td._report(check=f"norm {norm_type}, max_norm {max_norm}",
                        norm_error=abs(total.item() - expected.item()) / expected.item(),
                        grad_error=worst, total=total.item(), expected=expected.item())
+
+    # With the tie, fully_shard swaps the tied Parameter: refused, not trained wrong.
+    tied = gpipe.distributed.Pipe(_gpt(), [4, 4], chunks=2, group=mesh["pp"].get_group())
+    for layer in tied.children():
+        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
+    try:
+        tied.train_step(px if tied.is_first else None, py if tied.is_last else None,
+                        loss_fn=_loss)
+        error = ""
+    except (RuntimeError, ValueError) as e:
+        error = str(e)
+    td._report(check="tie and fully_shard", error=error)
     dist.destroy_process_group()
+
+
+def test_a_tie_swapped_by_fully_shard_is_refused():
+    found = td._results(_run("clip_fsdp"), "tie and fully_shard")
+    for rank, r in found.items():
+        assert "tied across ranks, was replaced" in r["error"], (rank, r)
+        assert "fully_shard" in r["error"], (rank, r)
 
 
 @pytest.mark.parametrize("scenario", ["clip", "clip_dp", "clip_fsdp"])
