@@ -16,7 +16,7 @@ from gpipe.schedule import Schedule
 from gpipe.skip.layout import stage_runners
 from gpipe.skip.skippable import verify_skippables
 
-__all__ = ["Pipe", "clip_grad_norm_"]
+__all__ = ["Pipe", "clip_grad_norm_", "get_state_dict", "set_state_dict"]
 
 TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -567,3 +567,47 @@ def clip_grad_norm_(pipe: Pipe, max_norm: float, norm_type: float = 2.0,
             if hasattr(p.grad, "full_tensor"):
                 p.grad.mul_(coef)
     return total
+
+
+def _pipeline_options(options: Any) -> Any:
+    from dataclasses import replace
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    if options is None:
+        return StateDictOptions(flatten_optimizer_state_dict=True)
+    if not isinstance(options, StateDictOptions):
+        raise TypeError(f"options must be a torch.distributed.checkpoint.state_dict."
+                        f"StateDictOptions, got {type(options).__name__}")
+    return replace(options, flatten_optimizer_state_dict=True)
+
+
+def get_state_dict(model: nn.Module, optimizers: Any, *, submodules: Any = None,
+                   options: Any = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``torch.distributed.checkpoint.state_dict.get_state_dict`` for a pipe, with the
+    optimizer's state flattened: ``(model_state_dict, optimizer_state_dict)``, both keyed by
+    the Sequential's parameter names, for ``torch.distributed.checkpoint.save``.
+
+    Every rank of a pipeline holds other parameters. Torch's default optimizer state dict
+    keeps ``param_groups`` as one list, and DCP saves such a value from one rank only: a load
+    on another layout then misses the other ranks' groups (``KeyError: 'betas'``). Flattened
+    (``StateDictOptions(flatten_optimizer_state_dict=True)``, which this sets on ``options``),
+    every parameter's state and group settings travel under its own name. The result loads on
+    any number of ranks and any balance, into an in-process :class:`gpipe.Pipe` and into the
+    plain Sequential (:func:`set_state_dict`). ``model`` may be any of those; ``optimizers``,
+    ``submodules`` and the other ``options`` are torch's.
+    """
+    from torch.distributed.checkpoint import state_dict as sd
+    return sd.get_state_dict(model, optimizers, submodules=submodules,
+                             options=_pipeline_options(options))
+
+
+def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: Dict[str, Any],
+                   optim_state_dict: Dict[str, Any], options: Any = None) -> Any:
+    """``torch.distributed.checkpoint.state_dict.set_state_dict`` for a pipe: loads what
+    :func:`get_state_dict` gave (after ``torch.distributed.checkpoint.load`` filled it in),
+    with the optimizer's state flattened likewise. Returns torch's missing and unexpected
+    keys."""
+    from torch.distributed.checkpoint import state_dict as sd
+    return sd.set_state_dict(model, optimizers, model_state_dict=model_state_dict,
+                             optim_state_dict=optim_state_dict,
+                             options=_pipeline_options(options))
