@@ -427,8 +427,16 @@ class Pipe(nn.Module):
             # The other ranks are in the step already: they fail too, naming this rank.
             self._engine.abandon_step(f"{type(e).__name__}: {e}", True)
             raise
-        loss = self._engine.train_step(input if self.is_first else None,
-                                       target if self.is_last else None, loss_fn, self.training)
+        units = _fsdp_units(self)
+        _fsdp_begin(self, units, training=True)
+        try:
+            loss = self._engine.train_step(input if self.is_first else None,
+                                           target if self.is_last else None, loss_fn,
+                                           self.training)
+        except BaseException:
+            _fsdp_end(units, reduce=False)
+            raise
+        _fsdp_end(units, reduce=True)
         return loss if self.is_last else None
 
     @torch.no_grad()
@@ -441,7 +449,12 @@ class Pipe(nn.Module):
         except Exception as e:
             self._engine.abandon_step(f"{type(e).__name__}: {e}", False)
             raise
-        out = self._engine.eval_step(input if self.is_first else None)
+        units = _fsdp_units(self)
+        _fsdp_begin(self, units, training=False)
+        try:
+            out = self._engine.eval_step(input if self.is_first else None)
+        finally:
+            _fsdp_end(units, reduce=False)
         return out if self.is_last else None
 
     @property
@@ -486,6 +499,75 @@ class Pipe(nn.Module):
         if self.virtual_stages != 1:
             text += f", virtual_stages={self.virtual_stages}"
         return text
+
+
+def _fsdp_units(pipe: Pipe) -> List[nn.Module]:
+    """The pipe's modules that FSDP2's fully_shard made units, outermost first (the pipe itself
+    when it is one)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return []
+    return [m for m in pipe.modules() if isinstance(m, FSDPModule)]
+
+
+def _fsdp_begin(pipe: Pipe, units: List[nn.Module], training: bool) -> None:
+    """Before a step: FSDP2 units gather their parameters once per step, not per micro-batch.
+
+    FSDP2 is written for one forward and one backward per step. Under a pipeline, every unit
+    runs once per micro-batch. Its hooks would then all-gather in each forward and each
+    backward, and reduce-scatter after each backward. So, as torch.distributed.pipelining's
+    stage does:
+    - no resharding after a forward or a backward, and no gradient sync, until the step ends
+      (_fsdp_end): each unit all-gathers in its first forward and keeps its parameters whole;
+      grads accumulate unsharded over the micro-batches;
+    - a unit on the pipe itself (``fully_shard(pipe)``, one unit for this rank's stages)
+      gathers here, before the first cell: the pipe's own forward, where FSDP would do it,
+      never runs. This uses FSDP2's root initialization (_lazy_init), which its pre-forward
+      hook runs.
+    Collectives of one dp group come in the same order on every replica: the replicas run
+    the same plan, a stage's units gather in its first forward, in layer order, and a later
+    stage's first forward waits for an earlier one's output.
+    """
+    if not units:
+        return
+    from torch.distributed.fsdp import fully_shard
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        if training:
+            unit.set_is_last_backward(False)
+            unit.set_reshard_after_backward(False, recurse=False)
+            unit.set_requires_gradient_sync(False, recurse=False)
+    if units[0] is pipe:
+        fully_shard.state(pipe)._lazy_init()
+        pipe.unshard()
+
+
+def _fsdp_end(units: List[nn.Module], reduce: bool) -> None:
+    """After a step: each unit's accumulated grads reduce-scattered once (``reduce``; FSDP2's
+    post-backward, run by hand as torch.distributed.pipelining's stage does), then every unit
+    resharded: between steps a rank keeps its shards only."""
+    if not units:
+        return
+    from torch.distributed.fsdp import fully_shard
+    for unit in units:
+        unit.set_is_last_backward(True)
+        unit.set_reshard_after_backward(True, recurse=False)
+        unit.set_requires_gradient_sync(True, recurse=False)
+    if reduce:
+        finished = set()
+        for unit in units:
+            state = fully_shard.state(unit)
+            context = state._state_ctx
+            if id(context) in finished:
+                continue
+            finished.add(id(context))
+            for member in context.all_states:
+                if member._fsdp_param_group is not None:
+                    member._fsdp_param_group.post_backward()
+            state._root_post_backward_final_callback()
+    for unit in units:
+        unit.reshard()
 
 
 def _counted_here(pipe: Pipe) -> Callable[[Tensor], bool]:
