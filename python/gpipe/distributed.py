@@ -161,6 +161,10 @@ class Pipe(nn.Module):
             per stage (all ranks' stages).
         virtual_stages: stages per rank (interleaved_1f1b), default 1.
         group: the pipeline's process group (default: the world).
+        mesh: instead of ``group``, a DeviceMesh with a dimension named "pp":
+            the pipeline runs over it, and its other dimensions are free for
+            FSDP2's ``fully_shard`` or tensor parallelism inside the stages
+            (docs/distributed.md, With FSDP2 and Tensor parallel).
         dp_group: the group of this rank's data-parallel replicas (same
             stages on every member); each stage's grads are averaged over it
             as soon as they are final, in buckets, overlapped with the rest
@@ -226,7 +230,7 @@ class Pipe(nn.Module):
                  virtual_stages: int = 1, group: Optional[Any] = None,
                  dp_group: Optional[Any] = None, device: Optional[Any] = None,
                  bucket_cap_mb: float = 25, batch_dim: BatchDim = 0,
-                 output_batch_dim: Optional[BatchDim] = None) -> None:
+                 output_batch_dim: Optional[BatchDim] = None, mesh: Optional[Any] = None) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("gpipe.distributed.Pipe needs an initialised process group; call "
@@ -249,6 +253,11 @@ class Pipe(nn.Module):
             raise ValueError(f"virtual_stages must be at least 1, got {self.virtual_stages}")
         if isinstance(self.schedule, Schedule):
             self.virtual_stages = _schedule_stages(self.schedule, self.virtual_stages, "rank")
+        if mesh is not None:
+            if group is not None:
+                raise ValueError("pass the pipeline's ranks as group= or as mesh= (a DeviceMesh "
+                                 "with a 'pp' dimension), not both")
+            group = _pp_group(mesh)
         self.group = group if group is not None else dist.group.WORLD
         self.dp_group = dp_group
         if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
@@ -499,6 +508,20 @@ class Pipe(nn.Module):
         if self.virtual_stages != 1:
             text += f", virtual_stages={self.virtual_stages}"
         return text
+
+
+def _pp_group(mesh: Any) -> Any:
+    """The process group of a DeviceMesh's "pp" dimension."""
+    names = getattr(mesh, "mesh_dim_names", None)
+    if names is None or not hasattr(mesh, "get_group"):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh with named "
+                        f"dimensions, got {type(mesh).__name__}; build it with "
+                        f"init_device_mesh(..., mesh_dim_names=('pp', ...))")
+    if "pp" not in names:
+        raise ValueError(f"mesh has dimensions {list(names)}, none named 'pp': name the "
+                         f"pipeline's dimension 'pp' (init_device_mesh(..., mesh_dim_names="
+                         f"('pp', 'dp')))")
+    return mesh.get_group("pp")
 
 
 def _fsdp_units(pipe: Pipe) -> List[nn.Module]:
