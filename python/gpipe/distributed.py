@@ -16,7 +16,7 @@ from gpipe.schedule import Schedule
 from gpipe.skip.layout import stage_runners
 from gpipe.skip.skippable import verify_skippables
 
-__all__ = ["Pipe", "clip_grad_norm_", "get_state_dict", "set_state_dict"]
+__all__ = ["Pipe", "clip_grad_norm_", "get_state_dict", "grad_scaler", "set_state_dict"]
 
 TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -527,11 +527,12 @@ def _pp_group(mesh: Any) -> Any:
 def _fsdp_units(pipe: Pipe) -> List[nn.Module]:
     """The pipe's modules that FSDP2's fully_shard made units, outermost first (the pipe itself
     when it is one)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
+    # Not imported: nothing can be a unit (and importing it would cost most of a second).
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    unit = getattr(fsdp, "FSDPModule", None)
+    if unit is None:
         return []
-    return [m for m in pipe.modules() if isinstance(m, FSDPModule)]
+    return [m for m in pipe.modules() if isinstance(m, unit)]
 
 
 def _fsdp_begin(pipe: Pipe, units: List[nn.Module], training: bool) -> None:
@@ -716,3 +717,35 @@ def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: Dict[
     return sd.set_state_dict(model, optimizers, model_state_dict=model_state_dict,
                              optim_state_dict=optim_state_dict,
                              options=_pipeline_options(options))
+
+
+def grad_scaler(pipe: Pipe, *, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                backoff_factor: float = 0.5, growth_interval: int = 2000,
+                enabled: bool = True) -> Any:
+    """A loss scaler for fp16 training of a pipe, alike on every rank of ``pipe.group``.
+
+    It is torch's ``ShardedGradScaler`` over ``pipe.group``, with its scale made on every rank
+    now. Only the last rank computes losses, so ``scale`` never runs elsewhere, and torch's
+    scaler would refuse ``step`` there. Scale each micro-batch's loss in ``loss_fn``, then
+    step as with torch's scaler::
+
+        scaler = gpipe.distributed.grad_scaler(pipe)
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                        loss_fn=lambda out, y: scaler.scale(F.cross_entropy(out, y)))
+        scaler.step(opt)          # unscales; skipped on every rank if any found inf or nan
+        scaler.update()
+
+    ``unscale_`` (inside ``step``, or called first to clip with :func:`clip_grad_norm_`)
+    sums every rank's found-inf flag over ``pipe.group``, so one rank's inf skips the step
+    and lowers the scale on every rank. Within one pipeline that is all it takes: the
+    ``dp_group`` average, FSDP2's reduce-scatter and the tie exchange all spread an inf to
+    every replica they sum over. Arguments as ``torch.amp.GradScaler``'s.
+    """
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    scaler = ShardedGradScaler(device=pipe.device.type, init_scale=init_scale,
+                               growth_factor=growth_factor, backoff_factor=backoff_factor,
+                               growth_interval=growth_interval, enabled=enabled,
+                               process_group=pipe.group)
+    # Makes the scale on this rank's device (the public way: scaling something).
+    scaler.scale(torch.ones((), device=pipe.device))
+    return scaler
