@@ -45,9 +45,22 @@ std::vector<Setting> decode(const std::string& text) {
 }
 
 // The sum over the group of a host tensor, all_reduced on `device`, back on the host.
+// Every rank of the group makes these exchanges (at construction, at the start
+// of each step): one that fails lost a rank. An all_reduce cannot say which, so
+// the error says where this rank was and what to do; no C++ backtrace.
 at::Tensor summed(c10d::ProcessGroup& group, c10::Device device, const at::Tensor& host) {
   std::vector<at::Tensor> tensors{host.to(device)};
-  group.allreduce(tensors)->wait();
+  try {
+    group.allreduce(tensors)->wait();
+  } catch (const std::exception& e) {
+    throw c10::Error(
+        c10::str("gpipe: rank ", group.getRank(), " of the pipeline's ", group.getSize(),
+                 " ranks lost another in an exchange every rank makes (at construction, or "
+                 "at the start of a step): a rank died, or did not answer within the "
+                 "process group's timeout (", e.what(), "). Restart the job from its last "
+                 "checkpoint (torchrun --max-restarts; docs/distributed.md, Restarts)"),
+        /*backtrace=*/nullptr);
+  }
   return tensors[0].to(at::kCPU);
 }
 
