@@ -331,6 +331,10 @@ void Engine::set_bucket_cap(int64_t bytes) {
   if (reducer_) reducer_->set_bucket_cap(bytes);
 }
 
+void Engine::set_step_timeout(std::chrono::milliseconds timeout) {
+  if (transport_) transport_->set_step_timeout(timeout);
+}
+
 std::vector<GradReducer::Launch> Engine::grad_reduce_launches() const {
   return reducer_ ? reducer_->launches() : std::vector<GradReducer::Launch>{};
 }

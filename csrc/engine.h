@@ -20,6 +20,7 @@
 #include <c10/core/StreamGuard.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -307,6 +308,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// With a data group: the most bytes in one bucket of grads averaged
   /// together (see reduce.h; default 25 MiB). Set between steps.
   void set_bucket_cap(int64_t bytes);
+  /// Over a process group: how long this rank may wait for another (a
+  /// hand-off, the exchange that starts a step, its sends being taken)
+  /// before the step fails naming what it waited for; zero (the default):
+  /// the group's own timeout. Set between steps.
+  void set_step_timeout(std::chrono::milliseconds timeout);
   /// With a data group: when each of the last training step's buckets
   /// started, relative to this rank's list (empty without a data group).
   std::vector<GradReducer::Launch> grad_reduce_launches() const;

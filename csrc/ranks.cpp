@@ -10,6 +10,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <set>
@@ -48,11 +49,27 @@ std::vector<Setting> decode(const std::string& text) {
 // Every rank of the group makes these exchanges (at construction, at the start
 // of each step): one that fails lost a rank. An all_reduce cannot say which, so
 // the error says where this rank was and what to do; no C++ backtrace.
-at::Tensor summed(c10d::ProcessGroup& group, c10::Device device, const at::Tensor& host) {
+at::Tensor summed(c10d::ProcessGroup& group, c10::Device device, const at::Tensor& host,
+                  std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) {
   std::vector<at::Tensor> tensors{host.to(device)};
+  const auto started = std::chrono::steady_clock::now();
   try {
-    group.allreduce(tensors)->wait();
+    auto work = group.allreduce(tensors);
+    if (timeout.count() > 0) {
+      work->wait(timeout);
+    } else {
+      work->wait();
+    }
   } catch (const std::exception& e) {
+    if (timeout.count() > 0 && std::chrono::steady_clock::now() - started >= timeout) {
+      throw c10::Error(
+          c10::str("gpipe: rank ", group.getRank(), " waited ", timeout.count() / 1000.0,
+                   " s (the pipe's step_timeout) for the other ranks of the pipeline to start "
+                   "the step (the exchange every rank makes first); one is stuck before it "
+                   "(still in its previous step, its data, a collective of its own) or dead (",
+                   e.what(), ")"),
+          /*backtrace=*/nullptr);
+    }
     throw c10::Error(
         c10::str("gpipe: rank ", group.getRank(), " of the pipeline's ", group.getSize(),
                  " ranks lost another in an exchange every rank makes (at construction, or "
@@ -109,7 +126,8 @@ std::string shortened(const std::string& value) {
 }  // namespace
 
 std::vector<StepStart> exchange_step_start(c10d::ProcessGroup& group, c10::Device device,
-                                           const StepStart& mine, int64_t chunks) {
+                                           const StepStart& mine, int64_t chunks,
+                                           std::chrono::milliseconds timeout) {
   // Row r: error flag, then the input's count and rows, then the target's.
   const int64_t ranks = group.getSize();
   const int64_t width = 3 + 2 * chunks;
@@ -123,7 +141,7 @@ std::vector<StepStart> exchange_step_start(c10d::ProcessGroup& group, c10::Devic
   };
   put(1, mine.input_rows);
   put(2 + chunks, mine.target_rows);
-  if (ranks > 1) table = summed(group, device, table);
+  if (ranks > 1) table = summed(group, device, table, timeout);
   std::vector<StepStart> all(static_cast<size_t>(ranks));
   bool any_error = false;
   for (int64_t r = 0; r < ranks; ++r) {

@@ -31,6 +31,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -64,9 +65,11 @@ struct StepStart {
 
 /// Every rank's StepStart, indexed by rank: one all_reduce of a small int64
 /// table over `group` (on `device`), and two more (the texts) only when some
-/// rank has an error.
-std::vector<StepStart> exchange_step_start(c10d::ProcessGroup& group, c10::Device device,
-                                           const StepStart& mine, int64_t chunks);
+/// rank has an error. A rank still missing after `timeout` (nonzero) fails
+/// the exchange, naming the step timeout.
+std::vector<StepStart> exchange_step_start(
+    c10d::ProcessGroup& group, c10::Device device, const StepStart& mine, int64_t chunks,
+    std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
 /// The layers' parameters, as every rank sees them in its whole model: per
 /// layer, its parameters by name ("weight") with the tensor.

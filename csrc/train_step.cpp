@@ -320,7 +320,8 @@ void Engine::start_step(const StepStart& mine, const std::exception_ptr& own,
                         bool training_step) {
   const char* call = training_step ? "train_step" : "eval_step";
   const auto all =
-      exchange_step_start(transport_->group(), transport_->wire_device(), mine, chunks_);
+      exchange_step_start(transport_->group(), transport_->wire_device(), mine, chunks_,
+                          transport_->step_timeout());
   std::vector<int64_t> bad;
   for (size_t r = 0; r < all.size(); ++r) {
     if (!all[r].error.empty()) bad.push_back(static_cast<int64_t>(r));

@@ -255,11 +255,17 @@ int ProcessGroupTransport::tag(const Address& a, int part) const {
 }
 
 std::string ProcessGroupTransport::describe_address(const Address& a) const {
+  // The action that waits for it, also in torch.distributed.pipelining's
+  // notation: F for a forward; B for a backward (I under zb_h1).
+  const bool forward = a.flow == Flow::Activation || a.flow == Flow::Skip;
+  const std::string action =
+      c10::str(forward ? "forward" : "backward", " ", a.stage, forward ? "F" : "B", a.microbatch);
   if (a.flow == Flow::Skip || a.flow == Flow::SkipGrad) {
     return c10::str("stage ", a.stage, "'s ", flow_name(a.flow), " of route ", a.route,
-                    " for micro-batch ", a.microbatch);
+                    " for micro-batch ", a.microbatch, ", for its ", action);
   }
-  return c10::str("stage ", a.stage, "'s ", flow_name(a.flow), " of micro-batch ", a.microbatch);
+  return c10::str("stage ", a.stage, "'s ", flow_name(a.flow), " of micro-batch ", a.microbatch,
+                  ", for its ", action);
 }
 
 void ProcessGroupTransport::peer_failed(const std::pair<int64_t, std::string>& failure, int from,
@@ -462,17 +468,27 @@ bool ProcessGroupTransport::wait(Pending& pending, int from, const std::string& 
   }
   bool done = false;
   std::exception_ptr error;
+  const auto limit = step_timeout();
+  const auto started = std::chrono::steady_clock::now();
+  const auto out_of_time = [&] {
+    return limit.count() > 0 && std::chrono::steady_clock::now() - started >= limit;
+  };
   try {
     if (on_host && side_) {
       // On a GPU, c10d's wait only orders the current stream after the
       // receive: poll for it (a cancel still wakes this) before reading it.
       auto pause = std::chrono::microseconds(1);
       while (!cancelled_.load() && !pending.work->isCompleted()) {
+        if (out_of_time()) {
+          throw c10::Error("still not received", /*backtrace=*/nullptr);
+        }
         std::this_thread::sleep_for(pause);
         pause = std::min(pause * 2, std::chrono::microseconds(200));
       }
     }
-    done = pending.work->wait();
+    // A wait with a timeout that runs out throws (and, on Gloo, fails the
+    // group's other pending operations: the step fails anyway).
+    done = limit.count() > 0 ? pending.work->wait(limit) : pending.work->wait();
   } catch (...) {
     error = std::current_exception();
   }
@@ -489,6 +505,12 @@ bool ProcessGroupTransport::wait(Pending& pending, int from, const std::string& 
       message = e.what();
     } catch (...) {
       message = "unknown error";
+    }
+    if (out_of_time()) {
+      fail_between_ranks("gpipe: rank ", rank_, " waited ", limit.count() / 1000.0,
+                         " s (the pipe's step_timeout) for ", what, ", from rank ", from,
+                         "; rank ", from, " is stuck (a layer that does not return, a step it "
+                         "did not start) or dead (", message, ")");
     }
     fail_between_ranks("gpipe: rank ", rank_, " lost rank ", from, " while receiving ", what,
                 ": ", message, " (rank ", from, " died, or did not answer within the process "
@@ -705,14 +727,27 @@ void ProcessGroupTransport::finish() {
   // stays queued until it is done, so a failure leaves the rest (maybe in
   // flight) for fail() to bury.
   std::unique_lock<std::mutex> hold(mutex_);
+  const auto limit = step_timeout();
+  const auto taken = [&] { return sent_works_.empty() || send_error_; };
   if (reaper_.joinable()) {
-    sends_changed_.wait(hold, [&] { return sent_works_.empty() || send_error_; });
+    if (limit.count() == 0) {
+      sends_changed_.wait(hold, taken);
+    } else if (!sends_changed_.wait_for(hold, limit, taken)) {
+      hold.unlock();
+      fail_between_ranks("gpipe: rank ", rank_, " waited ", limit.count() / 1000.0,
+                         " s (the pipe's step_timeout) for the ranks it sent to to take its "
+                         "last hand-offs; one of them is stuck or dead");
+    }
   }
   while (!send_error_ && !sent_works_.empty()) {
     c10::intrusive_ptr<c10d::Work> work = sent_works_.front().work;
     hold.unlock();
     try {
-      work->wait();
+      if (limit.count() > 0) {
+        work->wait(limit);
+      } else {
+        work->wait();
+      }
     } catch (...) {
       hold.lock();
       send_error_ = std::current_exception();

@@ -84,6 +84,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -150,6 +151,16 @@ class ProcessGroupTransport final : public Transport {
   /// rank sent (the group's timeout bounds it); throws, naming this rank,
   /// if a send failed.
   void finish();
+  /// A receive (or a wait for a send to be taken) that is still waiting
+  /// after `timeout` fails the step, naming what it waited for, the rank
+  /// that owes it and the schedule action it holds up. Zero (the default):
+  /// the process group's own timeout bounds the wait.
+  void set_step_timeout(std::chrono::milliseconds timeout) {
+    step_timeout_ms_.store(timeout.count());
+  }
+  std::chrono::milliseconds step_timeout() const {
+    return std::chrono::milliseconds(step_timeout_ms_.load());
+  }
   /// Ends a failed step: every address this rank still owes gets a failure
   /// header saying so (`what`, or the failure of the peer that stopped
   /// this rank, whose rank it keeps), then drops whatever is in flight.
@@ -248,6 +259,7 @@ class ProcessGroupTransport final : public Transport {
   std::map<Key, Pending> headers_;   // posted header receives not yet taken
   std::vector<Pending> waiting_;     // receives being waited on (cancel aborts them)
   std::deque<Pending> sent_works_;   // sends not yet known to be taken, in order
+  std::atomic<int64_t> step_timeout_ms_{0};  // 0: the group's timeout
   // The reaper (Gloo; see the top of this file): the send it waits for, how
   // a send failed (it then stops there, and finish reports it), its stop.
   std::condition_variable sends_changed_;  // a send queued, taken or failed; a stop

@@ -254,6 +254,9 @@ class PyEngine {
   }
 
   void set_bucket_cap(int64_t bytes) { engine_->set_bucket_cap(bytes); }
+  void set_step_timeout(double seconds) {
+    engine_->set_step_timeout(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0)));
+  }
   void set_stage_checkpoints(const std::vector<std::string>& modes) {
     std::vector<gpipe::Checkpoint> parsed;
     for (const auto& m : modes) parsed.push_back(parse_checkpoint(m));
@@ -400,6 +403,9 @@ one per value, None for a value not cut; an empty output list follows input.)doc
       .def("set_bucket_cap", &PyEngine::set_bucket_cap, py::arg("bytes"),
            "With dp_group: the most bytes of grads averaged in one all_reduce (a parameter is "
            "never split); at least 1.")
+      .def("set_step_timeout", &PyEngine::set_step_timeout, py::arg("seconds"),
+           "Over a process group: how long this rank waits for another before the step fails "
+           "naming what it waited for; 0: the group's own timeout.")
       .def("grad_reduce_launches", &PyEngine::grad_reduce_launches,
            "With dp_group: the last training step's bucket launches, in order, as (stage, "
            "tasks of this rank's list still to run, buckets); stage -1: started at the step's "

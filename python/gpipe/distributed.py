@@ -183,6 +183,14 @@ class Pipe(nn.Module):
             position ids). The target is cut along dim 0.
         output_batch_dim: where :meth:`eval_step` joins the outputs, as in
             :class:`gpipe.Pipe`.
+        step_timeout: seconds (or a ``timedelta``) this rank may wait for
+            another within a step: for a hand-off, for the exchange that
+            starts each step, for its sends to be taken. A wait that runs
+            out fails the step, naming what this rank waited for (the stage,
+            micro-batch and schedule action, as ``2F3``) and the rank that
+            owes it; the ranks waiting for this one then fail too, each
+            naming its own wait. None (default): the process group's own
+            timeout (30 minutes by default) bounds each wait.
 
     At construction the ranks compare their settings (balance, chunks,
     schedule, virtual stages, checkpoint, batch dims) and every layer's
@@ -230,7 +238,8 @@ class Pipe(nn.Module):
                  virtual_stages: int = 1, group: Optional[Any] = None,
                  dp_group: Optional[Any] = None, device: Optional[Any] = None,
                  bucket_cap_mb: float = 25, batch_dim: BatchDim = 0,
-                 output_batch_dim: Optional[BatchDim] = None, mesh: Optional[Any] = None) -> None:
+                 output_batch_dim: Optional[BatchDim] = None, mesh: Optional[Any] = None,
+                 step_timeout: Optional[Any] = None) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("gpipe.distributed.Pipe needs an initialised process group; call "
@@ -311,6 +320,7 @@ class Pipe(nn.Module):
                                                 if self._reverse_group is not None else ""),
                                  dp_group=dp_group.group_name if dp_group is not None else "")
         self._engine.set_bucket_cap(max(1, int(bucket_cap_mb * 2**20)))
+        self.step_timeout = step_timeout
         self._engine.set_batch_dims(input_dims, output_dims)
 
         # What every rank must share, compared before anything else travels;
@@ -360,6 +370,30 @@ class Pipe(nn.Module):
         if not _close_registered:
             atexit.register(_close_at_exit)
             _close_registered = True
+
+    @property
+    def step_timeout(self) -> Optional[float]:
+        """Seconds this rank may wait for another within a step (None: the
+        process group's own timeout); settable between steps."""
+        return self._step_timeout
+
+    @step_timeout.setter
+    def step_timeout(self, value: Optional[Any]) -> None:
+        from datetime import timedelta
+        if value is None:
+            seconds = None
+        elif isinstance(value, timedelta):
+            seconds = value.total_seconds()
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            seconds = float(value)
+        else:
+            raise TypeError(f"step_timeout must be seconds (a number), a datetime.timedelta or "
+                            f"None, got {value!r}")
+        if seconds is not None and not seconds > 0:
+            raise ValueError(f"step_timeout must be positive, got {value!r}; pass None for the "
+                             f"process group's own timeout")
+        self._engine.set_step_timeout(0.0 if seconds is None else seconds)
+        self._step_timeout = seconds
 
     def _close(self) -> None:
         """Joins this pipe's threads and drops its process groups (see _close_at_exit)."""
