@@ -1,6 +1,6 @@
 """gpipe.distributed against torch.distributed.pipelining: 4 CPU processes, Gloo, the same run.
 
-    python3 bench/dist.py [--quick] [--only time|memory]
+    python3 bench/dist.py [--quick] [--only time|memory|dp]
 
 Both run one stage per process (K = 4 ranks of one Gloo group on localhost,
 spawned once; every row runs in these same processes, one after the
@@ -64,6 +64,25 @@ the growth is VmHWM - baseline after the step, the larger of two steps
 The last line is
 `BENCH dist memory schedule=1f1b peak_over_gpipe=<ratio>`: the largest over
 the ranks of (1f1b growth / gpipe growth).
+
+Data parallel (its own 4 processes; `--only dp` runs it alone): the same
+job as 2 pipeline ranks x 2 replicas on a DeviceMesh ("pp", "dp"),
+schedule 1f1b, M = 8, checkpoint never, 8 x (Linear(512, 512) + ReLU)
+(--quick: Linear(64, 64)), 128 rows per replica, loss = output.sum(), an
+SGD step included. The grads are averaged over "dp" two ways:
+  dp_group   gpipe's own bucketed all_reduce (dp_group=mesh["dp"], buckets
+             launched as each stage's grads are final).
+  fsdp       every layer fully_shard-ed over "dp" (FSDP2; gpipe gathers
+             each unit once per step and reduce-scatters once at its end).
+  replicate  every layer replicate-d over "dp" (FSDP2's DDP-style units,
+             torch.distributed._composable.replicate_with_fsdp: parameters
+             whole on every replica, one all_reduce per unit per step).
+A step's time is the median over blocks (time_blocks), the two
+interleaved block by block. Both start from the same parameters and take
+the same steps on the same batches: their parameters after the timing are
+compared (the largest difference is printed). The last line is
+`BENCH dist dp fsdp_over_dp_group=<ratio> replicate_over_dp_group=<ratio>`:
+their step times over dp_group's (above 1: gpipe's own all_reduce is faster).
 """
 import argparse
 import ctypes
@@ -314,6 +333,105 @@ def memory_section(quick: bool) -> None:
     print(f"BENCH dist memory schedule=1f1b peak_over_gpipe={max(ratios):.3f}")
 
 
+def dp_worker(rank: int, port: int, quick: bool, path: str) -> None:
+    """The data-parallel section of the docstring, on one rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import fully_shard
+
+    import gpipe.distributed
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=K)
+    hidden = 64 if quick else 512
+    cfg = dict(warmup=1, blocks=3 if quick else 7, per_block=2 if quick else 4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+
+        def model():
+            torch.manual_seed(0)
+            layers = []
+            for _ in range(8):
+                layers += [nn.Linear(hidden, hidden), nn.ReLU()]
+            return nn.Sequential(*layers)
+
+        ours = gpipe.distributed.Pipe(model(), [8, 8], chunks=8, checkpoint="never", mesh=mesh,
+                                      dp_group=mesh["dp"].get_group())
+        sharded = gpipe.distributed.Pipe(model(), [8, 8], chunks=8, checkpoint="never",
+                                         mesh=mesh)
+        for layer in sharded.children():
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
+        replicated = gpipe.distributed.Pipe(model(), [8, 8], chunks=8, checkpoint="never",
+                                            mesh=mesh)
+        for layer in replicated.children():
+            if any(True for _ in layer.parameters()):
+                replicate(layer, mesh=mesh["dp"])
+        torch.manual_seed(1 + mesh["dp"].get_local_rank())
+        x = torch.randn(128, hidden)
+
+        def stepper(pipe):
+            opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
+
+            def step():
+                opt.zero_grad()
+                pipe.train_step(x if pipe.is_first else None,
+                                torch.zeros(128, 1) if pipe.is_last else None,
+                                loss_fn=lambda out, y: out.sum())
+                opt.step()
+            return step
+
+        steps = {"dp_group": stepper(ours), "fsdp": stepper(sharded),
+                 "replicate": stepper(replicated)}
+        times = {name: [] for name in steps}
+        for name, step in steps.items():
+            for _ in range(cfg["warmup"]):
+                step()
+        for _ in range(cfg["blocks"]):
+            for name, step in steps.items():
+                times[name].append(peer.time_blocks(
+                    step, dict(warmup=0, blocks=1, per_block=cfg["per_block"]),
+                    sync=dist.barrier))
+        # Both started from the same parameters and took the same steps on the same batches.
+        reference = dict(ours.named_parameters())
+        diff = max((p.full_tensor() - reference[n]).abs().max().item()
+                   for other in (sharded, replicated) for n, p in other.named_parameters())
+        result = {name: statistics.median(t) for name, t in times.items()}
+        result["diff"] = diff
+        gathered = [None] * K
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            with open(path, "w") as f:
+                json.dump(gathered, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def dp_section(quick: bool) -> None:
+    """The data-parallel section of the docstring: step times, the largest difference."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "dp.json")
+        mp.spawn(dp_worker, args=(peer.free_port(), quick, path), nprocs=K)
+        with open(path) as f:
+            ranks = json.load(f)
+    ours = max(r["dp_group"] for r in ranks)
+    theirs = max(r["fsdp"] for r in ranks)
+    replicated = max(r["replicate"] for r in ranks)
+    diff = max(r["diff"] for r in ranks)
+    print(f"\nPipeline x data parallel (2 x 2 ranks, 1f1b, M = 8, an SGD step included), "
+          f"ms per step (slowest rank):")
+    print(f"  dp_group (gpipe's all_reduce)   {ours * 1e3:8.1f}")
+    print(f"  fsdp (fully_shard per layer)    {theirs * 1e3:8.1f}")
+    print(f"  replicate (FSDP2's, per layer)  {replicated * 1e3:8.1f}")
+    print(f"  largest parameter difference after the same steps from the same start: "
+          f"{diff:.2e}")
+    print(f"BENCH dist dp fsdp_over_dp_group={theirs / ours:.3f} "
+          f"replicate_over_dp_group={replicated / ours:.3f}")
+
+
 def ideal_ms(name: str, quick: bool) -> float:
     """(M + K - 1) x (F + B) of the nominal sleeps for sim (F = t, B = 2t per
     stage); nan for tiny, whose layers have no nominal time."""
@@ -364,13 +482,15 @@ def time_section(quick: bool) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny smoke configuration")
-    parser.add_argument("--only", choices=["time", "memory"],
-                        help="run one section (default: both)")
+    parser.add_argument("--only", choices=["time", "memory", "dp"],
+                        help="run one section (default: all)")
     args = parser.parse_args()
-    if args.only != "memory":
+    if args.only in (None, "time"):
         time_section(args.quick)
-    if args.only != "time":
+    if args.only in (None, "memory"):
         memory_section(args.quick)
+    if args.only in (None, "dp"):
+        dp_section(args.quick)
     return 0
 
 

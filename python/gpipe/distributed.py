@@ -569,6 +569,16 @@ def _fsdp_units(pipe: Pipe) -> List[nn.Module]:
     return [m for m in pipe.modules() if isinstance(m, unit)]
 
 
+def _shards(unit: nn.Module) -> bool:
+    """Whether an FSDP2 unit shards its parameters (fully_shard, HSDP), rather than keeping
+    them whole on every replica (FSDP2's replicate, whose units refuse
+    set_reshard_after_forward; they still free their unsharded copy after a backward unless
+    told not to)."""
+    group = unit._get_fsdp_state()._fsdp_param_group
+    return group is not None and hasattr(group.mesh_info, "shard_mesh_dim") and \
+        group.mesh_info.shard_mesh_dim is not None
+
+
 def _fsdp_begin(pipe: Pipe, units: List[nn.Module], training: bool) -> None:
     """Before a step: FSDP2 units gather their parameters once per step, not per micro-batch.
 
@@ -589,15 +599,15 @@ def _fsdp_begin(pipe: Pipe, units: List[nn.Module], training: bool) -> None:
     """
     if not units:
         return
-    from torch.distributed.fsdp import fully_shard
     for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
+        if _shards(unit):
+            unit.set_reshard_after_forward(False, recurse=False)
         if training:
             unit.set_is_last_backward(False)
             unit.set_reshard_after_backward(False, recurse=False)
             unit.set_requires_gradient_sync(False, recurse=False)
     if units[0] is pipe:
-        fully_shard.state(pipe)._lazy_init()
+        pipe._get_fsdp_state()._lazy_init()
         pipe.unshard()
 
 
@@ -607,7 +617,6 @@ def _fsdp_end(units: List[nn.Module], reduce: bool) -> None:
     resharded: between steps a rank keeps its shards only."""
     if not units:
         return
-    from torch.distributed.fsdp import fully_shard
     for unit in units:
         unit.set_is_last_backward(True)
         unit.set_reshard_after_backward(True, recurse=False)
@@ -615,7 +624,7 @@ def _fsdp_end(units: List[nn.Module], reduce: bool) -> None:
     if reduce:
         finished = set()
         for unit in units:
-            state = fully_shard.state(unit)
+            state = unit._get_fsdp_state()
             context = state._state_ctx
             if id(context) in finished:
                 continue

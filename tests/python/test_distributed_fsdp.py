@@ -1,7 +1,9 @@
 """Pipeline x FSDP2: a gpipe.distributed.Pipe over a DeviceMesh's "pp" dimension whose layers
 (or whose stages, ``fully_shard(pipe)``) are sharded with torch's fully_shard over the "dp"
 dimension trains as the plain model on the whole batch, and each FSDP unit all-gathers and
-reduce-scatters once per step, not once per micro-batch.
+reduce-scatters once per step, not once per micro-batch. The same for layers made FSDP2's
+DDP-style units (torch.distributed._composable.replicate_with_fsdp.replicate): one all_reduce
+per unit per step.
 
 2 pipeline ranks x 2 replicas on 4 Gloo processes, test_distributed_ranks' GPT without its tie
 (a tie across ranks and fully_shard do not compose yet: test_distributed_clip checks that it is
@@ -29,12 +31,12 @@ CHUNKS = 4
 
 
 def _count_collectives() -> dict:
-    """Counts the all-gathers and reduce-scatters FSDP2 issues from now on."""
+    """Counts the all-gathers, reduce-scatters and all_reduces FSDP2 issues from now on."""
     import torch.distributed as dist
 
-    counts = {"all_gather": 0, "reduce_scatter": 0}
+    counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     for name, key in (("all_gather_into_tensor", "all_gather"),
-                      ("reduce_scatter_tensor", "reduce_scatter")):
+                      ("reduce_scatter_tensor", "reduce_scatter"), ("all_reduce", "all_reduce")):
         original = getattr(dist, name)
 
         def counted(*args, _original=original, _key=key, **kwargs):
@@ -47,6 +49,7 @@ def _count_collectives() -> dict:
 def _worker(per: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
 
     import gpipe.distributed
@@ -65,9 +68,9 @@ def _worker(per: str) -> None:
             pipe = gpipe.distributed.Pipe(_untied(), [4 // v] * (2 * v), chunks=CHUNKS,
                                           schedule=schedule, virtual_stages=v,
                                           checkpoint=checkpoint, group=mesh["pp"].get_group())
-            if per == "layer":
+            if per in ("layer", "replicate"):
                 for layer in pipe.children():
-                    fully_shard(layer, mesh=mesh["dp"])
+                    (fully_shard if per == "layer" else replicate)(layer, mesh=mesh["dp"])
                 units = len(list(pipe.children()))
             else:
                 fully_shard(pipe, mesh=mesh["dp"])
@@ -91,7 +94,10 @@ def _worker(per: str) -> None:
             x = data[0][0][replica * 4:(replica + 1) * 4]
             out = pipe.eval_step(x if pipe.is_first else None)
             eval_error = ((out - plain(x)).abs().max().item() if pipe.is_last else 0.0)
-            sharded = all(hasattr(p, "full_tensor") for p in pipe.parameters())
+            # replicate's DTensors hold the whole tensor on every replica.
+            sharded = (all(hasattr(p, "full_tensor") for p in pipe.parameters()) and
+                       (per == "replicate" or
+                        any(p.to_local().numel() < p.numel() for p in pipe.parameters())))
             td._report(check=f"{schedule}-{checkpoint}", error=error, eval_error=eval_error,
                        per_step=per_step, units=units, sharded_after=sharded)
     dist.destroy_process_group()
@@ -105,6 +111,10 @@ def _worker_stage() -> None:
     _worker("stage")
 
 
+def _worker_replicate() -> None:
+    _worker("replicate")
+
+
 _runs: dict = {}
 
 
@@ -115,7 +125,7 @@ def _run(per: str) -> dict:
     return _runs[per]
 
 
-@pytest.mark.parametrize("per", ["layer", "stage"])
+@pytest.mark.parametrize("per", ["layer", "stage", "replicate"])
 @pytest.mark.parametrize("schedule", [s for s, _ in SCHEDULES])
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 def test_sharded_pipe_trains_as_the_plain_model(per, schedule, checkpoint):
@@ -136,9 +146,22 @@ def test_each_unit_gathers_and_reduces_once_per_step(per, schedule):
         found = td._results(_run(per), f"{schedule}-{checkpoint}")
         for rank, r in found.items():
             for step in r["per_step"]:
-                assert step == {"all_gather": r["units"], "reduce_scatter": r["units"]}, (
-                    rank, checkpoint, r)
+                assert step == {"all_gather": r["units"], "reduce_scatter": r["units"],
+                                "all_reduce": 0}, (rank, checkpoint, r)
+
+
+@pytest.mark.parametrize("schedule", [s for s, _ in SCHEDULES])
+def test_each_replicated_unit_all_reduces_once_per_step(schedule):
+    """FSDP2's replicate (DDP-style units: parameters whole on every replica) under the pipe:
+    one all_reduce per unit per step and nothing gathered."""
+    for checkpoint in CHECKPOINTS:
+        found = td._results(_run("replicate"), f"{schedule}-{checkpoint}")
+        for rank, r in found.items():
+            for step in r["per_step"]:
+                assert step == {"all_gather": 0, "reduce_scatter": 0,
+                                "all_reduce": r["units"]}, (rank, checkpoint, r)
 
 
 if __name__ == "__main__":
-    {"layer": _worker_layer, "stage": _worker_stage}[sys.argv[1]]()
+    {"layer": _worker_layer, "stage": _worker_stage,
+     "replicate": _worker_replicate}[sys.argv[1]]()
