@@ -251,6 +251,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// ranks (ranks.h). Makes the replicas equal now (every rank calls it),
   /// and sums their grads at the end of every train_step.
   void set_ties(std::vector<Tie> ties);
+  /// Replaces this rank's replicas of its ties (ranks.h, set_replicas),
+  /// between steps.
+  void set_tie_replicas(const std::vector<at::Tensor>& replicas);
 
   /// Makes train_step run `plan` (a schedule given as data, e.g.
   /// plan_from_csv; validated) instead of its kind's: one list per worker

@@ -313,6 +313,22 @@ void TiedParameters::broadcast() {
   }
 }
 
+void TiedParameters::set_replicas(const std::vector<at::Tensor>& replicas) {
+  TORCH_CHECK(replicas.size() == ties_.size(), "gpipe: set_tie_replicas got ", replicas.size(),
+              " tensors for ", ties_.size(), " tied parameters (one per tie, in order)");
+  for (size_t k = 0; k < ties_.size(); ++k) {
+    const auto& replica = replicas[k];
+    if (!replica.defined()) continue;
+    auto& tie = ties_[k];
+    TORCH_CHECK(tie.replica.defined(), "gpipe: this rank holds no use of the tied parameter ",
+                tie.uses.front(), ", so it keeps no replica to replace");
+    TORCH_CHECK(replica.sizes() == at::IntArrayRef(tie.sizes), "gpipe: the replica of ",
+                tie.uses.front(), " must have its sizes ", at::IntArrayRef(tie.sizes), ", got ",
+                replica.sizes());
+    tie.replica = replica;
+  }
+}
+
 void TiedParameters::begin_step() {
   aside_.assign(ties_.size(), at::Tensor());
   for (size_t k = 0; k < ties_.size(); ++k) {

@@ -134,6 +134,13 @@ class TiedParameters {
   /// added here.
   void restore_grads();
 
+  /// Replaces the replicas, one tensor per tie in order (undefined: keep
+  /// the one there), each of the tie's sizes, on a rank that holds one. Its
+  /// `.grad` is what later steps sum: FSDP2 swaps a parameter for its
+  /// shards and accumulates a step's grads on an unsharded copy, which is
+  /// the replica to sum before FSDP2 reduce-scatters it.
+  void set_replicas(const std::vector<at::Tensor>& replicas);
+
   bool empty() const noexcept { return ties_.empty(); }
 
  private:

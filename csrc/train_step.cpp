@@ -308,6 +308,11 @@ void Engine::set_ties(std::vector<Tie> ties) {
   ties_->broadcast();
 }
 
+void Engine::set_tie_replicas(const std::vector<at::Tensor>& replicas) {
+  Call call(*this, "set_tie_replicas");
+  if (ties_) ties_->set_replicas(replicas);
+}
+
 void Engine::abandon_step(const std::string& what, bool training_step) {
   Call call(*this, training_step ? "train_step" : "eval_step");
   if (!transport_ || !failed_.empty()) return;

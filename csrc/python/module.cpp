@@ -253,6 +253,12 @@ class PyEngine {
     engine_->set_ties(std::move(own));
   }
 
+  void set_tie_replicas(const std::vector<std::optional<at::Tensor>>& replicas) {
+    std::vector<at::Tensor> own;
+    for (const auto& replica : replicas) own.push_back(replica.value_or(at::Tensor()));
+    engine_->set_tie_replicas(own);
+  }
+
   void set_bucket_cap(int64_t bytes) { engine_->set_bucket_cap(bytes); }
   void set_step_timeout(double seconds) {
     engine_->set_step_timeout(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0)));
@@ -349,6 +355,10 @@ all_reduces); a ValueError on every rank naming each setting the ranks disagree 
            R"doc(Over a process group: the parameters this rank shares with others, as (uses,
 owners, tensor, here, group name) tuples; replicas are set to the lowest owner's now, and their
 grads summed over the owners after every train_step.)doc")
+      .def("set_tie_replicas", &PyEngine::set_tie_replicas, py::arg("replicas"),
+           py::call_guard<py::gil_scoped_release>(),
+           R"doc(The tensors whose grads later train_steps sum for this rank's ties, one per tie
+of set_ties in order (None: keep the one there), e.g. FSDP2's unsharded copy of a parameter.)doc")
       .def("eval_step", &PyEngine::eval_step, py::arg("input"),
            R"doc(Pipelined inference over the group's ranks (no grad): the gathered output on
 the rank of the last stage, None elsewhere.)doc")

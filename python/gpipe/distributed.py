@@ -359,12 +359,13 @@ class Pipe(nn.Module):
             entries.append((uses, owners, param, here, name))
         self._engine.set_ties(entries)
         self.tied_parameters = [(uses, owners) for uses, owners, _ in ties]
-        # This rank's uses of them, as the tie exchange holds them (_check_ties).
-        self._tied_here: List[Tuple[str, Tensor]] = []
-        for uses, owners, param in ties:
+        # This rank's uses of them (tie, name), as the tie exchange holds them (_check_ties).
+        self._tied_here: List[Tuple[int, str, Tensor]] = []
+        for k, (uses, owners, param) in enumerate(ties):
             for name in uses:
                 if rank_of_layer[names.index(name.split(".", 1)[0])] == self.rank:
-                    self._tied_here.append((name, param))
+                    self._tied_here.append((k, name, param))
+        self._tie_count = len(ties)
         global _close_registered
         _pipes.add(self)
         if not _close_registered:
@@ -414,15 +415,60 @@ class Pipe(nn.Module):
                                  f"here: pass {what}(x if pipe.is_first else None, ...)")
             _check_input(input)
 
-    def _check_ties(self) -> None:
-        for name, param in self._tied_here:
-            if self.get_parameter(name) is not param:
+    def _check_ties(self) -> Dict[int, Any]:
+        """Where this rank's tied parameters will collect the step's grads, checked before
+        the step: a use still holding the Parameter found at construction needs nothing; one
+        that FSDP2 (fully_shard or its replicate) swapped for its shards collects them on the
+        unit's unsharded copy, which the step must sum instead (returned as {tie: FSDPParam},
+        see _fsdp_tie_replicas). Anything else (an assignment, tensor parallelism) is refused."""
+        if not self._tied_here:
+            return {}
+        sharded = {}
+        for unit in _fsdp_units(self):
+            group = unit._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in (group.fsdp_params if group is not None else []):
+                sharded[id(fsdp_param.sharded_param)] = fsdp_param
+        holder: Dict[int, Any] = {}
+        managed: Dict[int, Any] = {}
+        for k, name, param in self._tied_here:
+            current = self.get_parameter(name)
+            fsdp_param = None if current is param else sharded.get(id(current))
+            if current is not param and (fsdp_param is None or fsdp_param.is_dtensor):
                 raise RuntimeError(
                     f"the parameter {name!r}, tied across ranks, was replaced after the pipe was "
-                    f"built (by fully_shard, or an assignment): the pipe sums the grads of the "
-                    f"Parameter it found at construction, so this one's would be wrong. A tie "
-                    f"across ranks and fully_shard do not compose yet: leave the tied layers "
-                    f"unsharded, or untie the weight")
+                    f"built (by an assignment, or tensor parallelism): the pipe sums the grads of "
+                    f"the Parameter it found at construction, so this one's would be wrong. "
+                    f"Leave the tied layers as they were built (FSDP2's fully_shard and "
+                    f"replicate are fine), or untie the weight")
+            if holder.setdefault(k, current) is not current:
+                raise RuntimeError(
+                    f"the uses of the parameter {name!r}, tied across ranks, on rank "
+                    f"{self.rank} no longer share one Parameter (one of them was sharded or "
+                    f"replaced apart from the others): put the layers that use it here in one "
+                    f"FSDP2 unit, or none")
+            if fsdp_param is not None:
+                managed[k] = fsdp_param
+        return managed
+
+    def _fsdp_tie_replicas(self, managed: Dict[int, Any], units: List[nn.Module]) -> None:
+        """Points the tie exchange at the unsharded copies of the tied parameters FSDP2
+        manages (after _fsdp_begin): their units gather now, not in their first forward (still
+        once per step), so that the copies exist; the step's grads of a tie are summed over its
+        owners on those copies, before FSDP2 reduce-scatters them at the step's end."""
+        if not managed:
+            return
+        for unit in units:
+            state = unit._get_fsdp_state()
+            group = state._fsdp_param_group
+            if group is None or not any(p in group.fsdp_params for p in managed.values()):
+                continue
+            if state._is_root is None:
+                state._lazy_init()
+            unit.unshard()
+        replicas: List[Optional[Tensor]] = [None] * self._tie_count
+        for k, fsdp_param in managed.items():
+            replicas[k] = fsdp_param.unsharded_param
+        self._engine.set_tie_replicas(replicas)
 
     def train_step(self, input: Optional[TensorOrTensors] = None,
                    target: Optional[TensorOrTensors] = None, *,
@@ -459,7 +505,7 @@ class Pipe(nn.Module):
                 raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got "
                                 f"{loss_fn!r}")
             self._check_step(input, "train_step")
-            self._check_ties()
+            managed = self._check_ties()
             if self.is_last:
                 if target is None:
                     raise ValueError(f"rank {self.rank} holds the last stage, so train_step "
@@ -472,6 +518,12 @@ class Pipe(nn.Module):
             raise
         units = _fsdp_units(self)
         _fsdp_begin(self, units, training=True)
+        try:
+            self._fsdp_tie_replicas(managed, units)
+        except Exception as e:
+            _fsdp_end(units, reduce=False)
+            self._engine.abandon_step(f"{type(e).__name__}: {e}", True)
+            raise
         try:
             loss = self._engine.train_step(input if self.is_first else None,
                                            target if self.is_last else None, loss_fn,

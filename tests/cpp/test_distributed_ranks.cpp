@@ -3,6 +3,7 @@
 
 #include "fake_group.h"
 #include "models.h"
+#include "ranks.h"
 
 #include <torch/optim/sgd.h>
 
@@ -297,5 +298,50 @@ TEST_CASE("distributed_pipe: a target cut unlike the input is refused on every r
     CHECK(e == "train_step's target has 4 rows along dim 0 (cut into [1, 1, 1, 1]) but the input "
                "has 16 along its batch dim (cut into [4, 4, 4, 4]); the target is cut like the "
                "input: give one target row per input row");
+  }
+}
+
+TEST_CASE("ties: replaced replicas are what later steps sum (FSDP2's unsharded copies); a "
+          "wrong count or size is refused", "[distributed]") {
+  const auto groups = make_fake_groups(2, FakeMatching::ByTag, 10s);
+  std::array<torch::Tensor, 2> sums;
+  std::array<torch::Tensor, 2> originals;
+  std::array<std::string, 2> refusals;
+  const auto errors = run_ranks(2, [&](int rank) {
+    const auto r = static_cast<size_t>(rank);
+    gpipe::detail::Tie tie;
+    tie.uses = {"0.weight", "7.weight"};
+    tie.owners = {0, 1};
+    tie.sizes = {2, 3};
+    tie.dtype = torch::kFloat64;
+    tie.requires_grad = true;
+    originals[r] = torch::zeros({2, 3}, torch::kFloat64).requires_grad_(true);
+    tie.replica = originals[r];
+    gpipe::detail::TiedParameters ties({tie}, *groups[r], c10::Device(c10::kCPU));
+    try {
+      ties.set_replicas({});
+    } catch (const c10::Error& e) {
+      refusals[r] = e.what_without_backtrace();
+    }
+    try {
+      ties.set_replicas({torch::zeros({3, 2}, torch::kFloat64)});
+    } catch (const c10::Error& e) {
+      refusals[r] += std::string(" | ") + e.what_without_backtrace();
+    }
+    auto copy = torch::zeros({2, 3}, torch::kFloat64).requires_grad_(true);
+    ties.set_replicas({copy});
+    ties.begin_step();
+    copy.mutable_grad() = torch::full({2, 3}, double(rank + 1), torch::kFloat64);
+    ties.reduce_grads();
+    sums[r] = copy.grad();
+  });
+  REQUIRE(errors == std::vector<std::string>(2));
+  for (size_t r = 0; r < 2; ++r) {
+    INFO("rank " << r << ": " << refusals[r]);
+    CHECK(sums[r].equal(torch::full({2, 3}, 3.0, torch::kFloat64)));
+    // The replaced replica takes no part any more.
+    CHECK(!originals[r].grad().defined());
+    CHECK_THAT(refusals[r], Catch::Contains("got 0 tensors for 1 tied parameters"));
+    CHECK_THAT(refusals[r], Catch::Contains("must have its sizes [2, 3], got [3, 2]"));
   }
 }

@@ -122,7 +122,7 @@ def _run(scenario: str) -> dict:
 
 
 def _untied():
-    """The GPT with its lm_head's own weight (a tie and fully_shard do not compose yet)."""
+    """The GPT with its lm_head's own weight."""
     model = _gpt()
     model[7].out.weight = torch.nn.Parameter(model[7].out.weight.detach().clone())
     return model
@@ -163,25 +163,53 @@ def _worker_clip_fsdp() -> None:
                        norm_error=abs(total.item() - expected.item()) / expected.item(),
                        grad_error=worst, total=total.item(), expected=expected.item())
 
-    # With the tie, fully_shard swaps the tied Parameter: refused, not trained wrong.
+    # With the tie: fully_shard swaps the tied Parameter on ranks 0 and 1 of each replica;
+    # the tie's grads are summed on the units' unsharded copies, counted once in the norm.
+    plain = _gpt()
+    plain.zero_grad()
+    _loss(plain(x), y).backward()
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
     tied = gpipe.distributed.Pipe(_gpt(), [4, 4], chunks=2, group=mesh["pp"].get_group())
     for layer in tied.children():
         fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
+    tied.train_step(px if tied.is_first else None, py if tied.is_last else None, loss_fn=_loss)
+    total = gpipe.distributed.clip_grad_norm_(tied, 1.0)
+    reference = dict(plain.named_parameters(remove_duplicate=False))
+    worst = max((p.grad.full_tensor() - reference[n].grad).abs().max().item()
+                for n, p in tied.named_parameters())
+    td._report(check="tie and fully_shard", norm_error=abs(total.item() - expected.item()),
+               grad_error=worst)
+
+    # A tied Parameter replaced by anything else (here an assignment on the last rank) is
+    # refused on every rank, not trained wrong.
+    replaced = gpipe.distributed.Pipe(_gpt(), [4, 4], chunks=2, group=mesh["pp"].get_group())
+    if replaced.is_last:
+        head = replaced.get_submodule("7").out
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
     try:
-        tied.train_step(px if tied.is_first else None, py if tied.is_last else None,
-                        loss_fn=_loss)
+        replaced.train_step(px if replaced.is_first else None,
+                            py if replaced.is_last else None, loss_fn=_loss)
         error = ""
     except (RuntimeError, ValueError) as e:
         error = str(e)
-    td._report(check="tie and fully_shard", error=error)
+    td._report(check="tie replaced", error=error, last=replaced.is_last)
     dist.destroy_process_group()
 
 
-def test_a_tie_swapped_by_fully_shard_is_refused():
+def test_a_tie_sharded_by_fully_shard_clips_as_the_plain_model():
     found = td._results(_run("clip_fsdp"), "tie and fully_shard")
     for rank, r in found.items():
-        assert "tied across ranks, was replaced" in r["error"], (rank, r)
-        assert "fully_shard" in r["error"], (rank, r)
+        assert r["norm_error"] <= 1e-12, (rank, r)
+        assert r["grad_error"] <= 1e-12, (rank, r)
+
+
+def test_a_tie_replaced_otherwise_is_refused_on_every_rank():
+    found = td._results(_run("clip_fsdp"), "tie replaced")
+    for rank, r in found.items():
+        if r["last"]:
+            assert "tied across ranks, was replaced" in r["error"], (rank, r)
+        else:
+            assert "was replaced" in r["error"] and "rank 1" in r["error"], (rank, r)
 
 
 @pytest.mark.parametrize("scenario", ["clip", "clip_dp", "clip_fsdp"])

@@ -5,9 +5,9 @@ reduce-scatters once per step, not once per micro-batch. The same for layers mad
 DDP-style units (torch.distributed._composable.replicate_with_fsdp.replicate): one all_reduce
 per unit per step.
 
-2 pipeline ranks x 2 replicas on 4 Gloo processes, test_distributed_ranks' GPT without its tie
-(a tie across ranks and fully_shard do not compose yet: test_distributed_clip checks that it is
-refused), float64, every schedule, checkpoint 'never' and 'always', 2 SGD steps. The workers
+2 pipeline ranks x 2 replicas on 4 Gloo processes, test_distributed_ranks' GPT with and
+without its tie across ranks (embedding on the first, lm_head on the last), float64, every
+schedule, checkpoint 'never' and 'always', 2 SGD steps. The workers
 count FSDP2's collectives by wrapping torch.distributed.all_gather_into_tensor and
 reduce_scatter_tensor, which FSDP2 calls. Each test spawns this file as worker processes
 (test_distributed's ``_spawn``).
@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_distributed as td  # noqa: E402
 from test_distributed_clip import _untied  # noqa: E402
-from test_distributed_ranks import SEQ, VOCAB, _loss  # noqa: E402
+from test_distributed_ranks import SEQ, VOCAB, _gpt, _loss  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2))
 CHECKPOINTS = ("never", "always")
@@ -46,7 +46,9 @@ def _count_collectives() -> dict:
     return counts
 
 
-def _worker(per: str) -> None:
+def _worker(way: str) -> None:
+    """``way``: "layer", "stage" or "replicate", "-tied" for the GPT with its tie (the
+    embedding on the first rank, the head on the last)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -54,6 +56,8 @@ def _worker(per: str) -> None:
 
     import gpipe.distributed
 
+    per, _, tied = way.partition("-")
+    model = _gpt if tied else _untied
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     counts = _count_collectives()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
@@ -63,9 +67,9 @@ def _worker(per: str) -> None:
             for _ in range(STEPS)]
     for schedule, v in SCHEDULES:
         for checkpoint in CHECKPOINTS:
-            plain = _untied()
+            plain = model()
             plain_opt = torch.optim.SGD(plain.parameters(), lr=0.5)
-            pipe = gpipe.distributed.Pipe(_untied(), [4 // v] * (2 * v), chunks=CHUNKS,
+            pipe = gpipe.distributed.Pipe(model(), [4 // v] * (2 * v), chunks=CHUNKS,
                                           schedule=schedule, virtual_stages=v,
                                           checkpoint=checkpoint, group=mesh["pp"].get_group())
             if per in ("layer", "replicate"):
@@ -88,7 +92,7 @@ def _worker(per: str) -> None:
                                 y[rows] if pipe.is_last else None, loss_fn=_loss)
                 per_step.append({k: counts[k] - before[k] for k in counts})
                 opt.step()
-            reference = dict(plain.named_parameters())
+            reference = dict(plain.named_parameters(remove_duplicate=False))
             error = max((p.full_tensor() - reference[n]).abs().max().item()
                         for n, p in pipe.named_parameters())
             x = data[0][0][replica * 4:(replica + 1) * 4]
@@ -115,6 +119,18 @@ def _worker_replicate() -> None:
     _worker("replicate")
 
 
+def _worker_layer_tied() -> None:
+    _worker("layer-tied")
+
+
+def _worker_stage_tied() -> None:
+    _worker("stage-tied")
+
+
+def _worker_replicate_tied() -> None:
+    _worker("replicate-tied")
+
+
 _runs: dict = {}
 
 
@@ -125,7 +141,8 @@ def _run(per: str) -> dict:
     return _runs[per]
 
 
-@pytest.mark.parametrize("per", ["layer", "stage", "replicate"])
+@pytest.mark.parametrize("per", ["layer", "stage", "replicate", "layer-tied", "stage-tied",
+                                 "replicate-tied"])
 @pytest.mark.parametrize("schedule", [s for s, _ in SCHEDULES])
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 def test_sharded_pipe_trains_as_the_plain_model(per, schedule, checkpoint):
@@ -137,7 +154,7 @@ def test_sharded_pipe_trains_as_the_plain_model(per, schedule, checkpoint):
         assert r["sharded_after"], (rank, r)
 
 
-@pytest.mark.parametrize("per", ["layer", "stage"])
+@pytest.mark.parametrize("per", ["layer", "stage", "layer-tied", "stage-tied"])
 @pytest.mark.parametrize("schedule", [s for s, _ in SCHEDULES])
 def test_each_unit_gathers_and_reduces_once_per_step(per, schedule):
     """Not once per micro-batch: with CHUNKS micro-batches FSDP2's own hooks would issue
@@ -163,5 +180,6 @@ def test_each_replicated_unit_all_reduces_once_per_step(schedule):
 
 
 if __name__ == "__main__":
-    {"layer": _worker_layer, "stage": _worker_stage,
-     "replicate": _worker_replicate}[sys.argv[1]]()
+    {"layer": _worker_layer, "stage": _worker_stage, "replicate": _worker_replicate,
+     "layer-tied": _worker_layer_tied, "stage-tied": _worker_stage_tied,
+     "replicate-tied": _worker_replicate_tied}[sys.argv[1]]()
