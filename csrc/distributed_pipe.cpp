@@ -73,6 +73,10 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
       detail::Groups{group, options_.reverse_group(), options_.dp_group()});
   engine_->set_skip_routes(std::move(skips.routes));
   engine_->set_batch_dims(options_.batch_dim(), options_.output_batch_dim());
+  GPIPE_CHECK_VALUE(options_.step_timeout().count() >= 0, "step_timeout must not be negative, got ",
+                    options_.step_timeout().count(),
+                    " ms; pass 0 (the default) for the process group's own timeout");
+  engine_->set_step_timeout(options_.step_timeout());
 
   // What every rank must share, compared once; then the tied parameters.
   detail::LayerParameters parameters;

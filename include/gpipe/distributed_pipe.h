@@ -10,6 +10,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -63,6 +64,12 @@ struct DistributedPipeOptions {
   /// With `dp_group`: the most MiB of grads averaged in one all_reduce (a
   /// parameter is never split).
   TORCH_ARG(double, bucket_cap_mb) = 25;
+  /// How long this rank may wait for another within a step (a hand-off,
+  /// the exchange that opens a step, its sends being taken) before the step
+  /// fails, naming what it waited for, the schedule action (e.g. 3F0) and
+  /// the rank that owes it; zero: the group's own timeout (Gloo's default
+  /// is 30 minutes). See docs/distributed.md, Restarts.
+  TORCH_ARG(std::chrono::milliseconds, step_timeout) = std::chrono::milliseconds(0);
   /// Where this rank's stages run.
   TORCH_ARG(c10::Device, device) = c10::kCPU;
   /// Where the batch dimension lies in each input value, as

@@ -755,3 +755,66 @@ TEST_CASE("distributed_pipe: with dp_group a frozen parameter keeps no grad on a
     for (double cap : {0.0, 1e-6}) check_pp_dp({schedule, v, FakeMatching::ByTag, cap, true});
   }
 }
+
+TEST_CASE("distributed_pipe: step_timeout fails the ranks waiting on a stuck rank within it, "
+          "naming the action and the rank they wait for; a negative one is refused",
+          "[distributed]") {
+  const int ranks = 4;
+  // The group's own timeout is long: only step_timeout can end the waits early.
+  const auto groups = make_fake_groups(ranks, FakeMatching::ByTag, 20s);
+  const auto stuck = 3000ms;
+  std::vector<torch::nn::Sequential> models;
+  for (int r = 0; r < ranks; ++r) {
+    torch::manual_seed(3);
+    const auto nap = r == 2 ? stuck : 0ms;
+    models.push_back(torch::nn::Sequential(
+        torch::nn::Linear(kWidth, kWidth), torch::nn::Tanh(),
+        torch::nn::Functional([nap](const torch::Tensor& x) {
+          std::this_thread::sleep_for(nap);
+          return x;
+        }),
+        torch::nn::Linear(kWidth, kWidth)));
+    models.back()->to(torch::kFloat64);
+  }
+  torch::manual_seed(5);
+  const auto x = randn64({4, kWidth});
+  const auto y = randn64({4, kWidth});
+  std::array<double, ranks> seconds{};
+  const auto errors = run_ranks(ranks, [&](int rank) {
+    gpipe::DistributedPipe dp(models[static_cast<size_t>(rank)],
+                              gpipe::DistributedPipeOptions({1, 1, 1, 1})
+                                  .chunks(2)
+                                  .step_timeout(500ms)
+                                  .group(groups[static_cast<size_t>(rank)]));
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      dp->train_step(dp->is_first() ? x : torch::Tensor(), dp->is_last() ? y : torch::Tensor(),
+                     [](const torch::Tensor& out, const torch::Tensor& t) {
+                       return torch::mse_loss(out, t);
+                     });
+    } catch (...) {
+      seconds[static_cast<size_t>(rank)] =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      throw;
+    }
+  });
+  for (int r = 0; r < ranks; ++r) {
+    INFO("rank " << r << " after " << seconds[static_cast<size_t>(r)] << " s: "
+                 << errors[static_cast<size_t>(r)]);
+    CHECK(!errors[static_cast<size_t>(r)].empty());
+  }
+  // Rank 3 waits for stage 2's activations of micro-batch 0, from the stuck rank 2.
+  INFO("rank 3: " << errors[3]);
+  CHECK_THAT(errors[3], Catch::Contains("waited 0.5 s (the pipe's step_timeout)") &&
+                            Catch::Contains("3F0") && Catch::Contains("from rank 2"));
+  CHECK(seconds[3] < 2.5);
+  // The stuck rank itself fails only once its layer returns.
+  CHECK(seconds[2] >= 2.9);
+
+  // Refused before anything is sent (no peer takes part here).
+  const auto pair = make_fake_groups(2, FakeMatching::ByTag, 5s);
+  CHECK_THROWS_WITH(gpipe::DistributedPipe(models[0], gpipe::DistributedPipeOptions({2, 2})
+                                                          .step_timeout(-1ms)
+                                                          .group(pair[0])),
+                    Catch::Contains("step_timeout must not be negative, got -1 ms"));
+}
