@@ -5,6 +5,8 @@ Wrap an ``nn.Sequential`` in :class:`gpipe.Pipe` (also exported as
 stages over devices and micro-batches, with the same outputs and gradients
 as the plain model.
 """
+import os as _os
+
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from gpipe import balance, skip
@@ -20,3 +22,8 @@ __all__ = [
     "load_torchgpipe_state_dict", "skip", "distributed",
 ]
 __version__ = "0.1.0"
+
+#: The directory to put in CMAKE_PREFIX_PATH for ``find_package(GPipe)``, as
+#: ``torch.utils.cmake_prefix_path`` is for torch: the package is gpipe's C++ install prefix
+#: (headers, libgpipe and the CMake package; see README, "C++ from pip").
+cmake_prefix_path = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "lib", "cmake")
