@@ -1,0 +1,477 @@
+"""gpipe.pipeline: cut any torch.fx-traceable nn.Module into stages at named submodules, as a Pipe.
+
+The module's ``forward`` is traced with ``torch.fx`` (submodules that hold no split point
+are called, not traced), the graph is cut where each split point's submodule is first
+used, and every value that crosses a cut is routed: tensors ride in the hand-off tuple
+(carried through the stages in between when a later stage needs them), parameters and
+buffers are fetched again where they are used (the same objects, so tied weights stay
+tied), and values holding no tensor (sizes, ints) are recomputed in the stage that needs
+them. The stages are ``torch.fx.GraphModule``s that hold the module's own submodules and
+parameters under their own dotted names; the result is a :class:`gpipe.Pipe` over them,
+called like the module (``pipe(idx, attention_mask=mask)``), whose ``state_dict()`` keys
+are the module's. See docs/pipeline.md.
+"""
+import difflib
+import inspect
+import linecache
+import operator
+import os
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from gpipe.pipe import Pipe
+
+__all__ = ["pipeline", "PipelineError"]
+
+
+class PipelineError(RuntimeError):
+    """gpipe.pipeline could not cut the module: the message names the construct (with its
+    source line where known) and the fallback."""
+
+
+_FALLBACK = ("gpipe.pipeline calls a submodule that contains no split point without tracing "
+             "it, so move that code into such a submodule (keep the region inside one "
+             "stage), or write the model as an nn.Sequential and use gpipe.Pipe directly")
+
+
+def _is_ancestor(name: str, of: str) -> bool:
+    """Whether submodule ``name`` strictly contains ``of`` ('' is the root)."""
+    return name == "" or of.startswith(name + ".")
+
+
+class _Tracer(fx.Tracer):
+    """Traces only the modules that contain a split point; every other submodule is one
+    call_module node (a leaf), run as written: its own control flow is never traced."""
+
+    def __init__(self, split_points: Sequence[str]) -> None:
+        super().__init__()
+        self.split_points = list(split_points)
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return not any(_is_ancestor(qualname, sp) for sp in self.split_points)
+
+
+def _user_frame(tb: Any) -> Optional[traceback.FrameSummary]:
+    """The innermost frame of the traceback outside torch (where the user's code failed)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.abspath(__file__)
+    found = None
+    for frame in traceback.extract_tb(tb):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(torch_dir) and path != here:
+            found = frame
+    return found
+
+
+#: torch factories whose sizes may be traced values (``torch.ones(t, t)`` with ``t`` from
+#: ``x.size()``): torch.fx records them only when a tensor argument is a Proxy, so
+#: :func:`_trace` diverts them to the graph while it traces.
+_FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint", "eye", "arange",
+              "tril_indices", "triu_indices")
+
+
+def _traced_factory(tracer: fx.Tracer, fn: Callable) -> Callable:
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args, kwargs))):
+            return tracer.create_proxy("call_function", fn, args, kwargs)
+        return fn(*args, **kwargs)
+    factory.__wrapped__ = fn  # type: ignore[attr-defined]
+    return factory
+
+
+def _trace(module: nn.Module, split_points: Sequence[str],
+           concrete: Dict[str, Any]) -> fx.Graph:
+    tracer = _Tracer(split_points)
+    originals = {name: getattr(torch, name) for name in _FACTORIES}
+    try:
+        # Visible to other threads while tracing, but it only changes calls given a Proxy.
+        for name, fn in originals.items():
+            setattr(torch, name, _traced_factory(tracer, fn))
+        return tracer.trace(module, concrete_args=concrete or None)
+    except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError... from user code
+        frame = _user_frame(exc.__traceback__)
+        where = ""
+        if frame is not None:
+            line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+            where = f" at {frame.filename}:{frame.lineno} (in {frame.name}): `{line}`"
+        raise PipelineError(
+            f"gpipe.pipeline could not trace {type(module).__name__}.forward with torch.fx{where}: "
+            f"{type(exc).__name__}: {exc}. Python control flow on tensor values (if, while, "
+            f"bool(), .item(), iterating a tensor) cannot be traced into a graph; {_FALLBACK}"
+        ) from exc
+    finally:
+        for name, fn in originals.items():
+            setattr(torch, name, fn)
+
+
+def _leaves_have_tensor(value: Any) -> bool:
+    return any(isinstance(v, Tensor) for v in pytree.tree_leaves(value))
+
+
+def _record_values(module: nn.Module, graph: fx.Graph, inputs: List[Any]) -> Dict[fx.Node, Any]:
+    """Runs the traced graph once on the example (RNG state and buffers restored after), to
+    learn which nodes hold tensors."""
+    values: Dict[fx.Node, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            values[n] = out
+            return out
+
+    gm = fx.GraphModule(module, graph)
+    saved = {name: b.detach().clone() for name, b in module.named_buffers()}
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            Recorder(gm).run(*inputs)
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                b.copy_(saved[name])
+    return values
+
+
+def _owner(module: nn.Module, dotted: str) -> Tuple[nn.Module, str]:
+    *path, field = dotted.split(".")
+    for item in path:
+        module = getattr(module, item)
+    return module, field
+
+
+class _PipelinedPipe(Pipe):
+    """A :class:`gpipe.Pipe` over the stages of a traced module, called like that module
+    (``pipe(*args, **kwargs)``), with the module's ``state_dict()`` keys."""
+
+    def __init__(self, stages: nn.Sequential, names: List[str], signature: inspect.Signature,
+                 out_spec: Any, out_constants: List[Any], key_order: List[str],
+                 key_stages: Dict[str, List[int]], **options: Any) -> None:
+        super().__init__(stages, balance=[1] * len(stages), **options)
+        #: The forward's parameters the trace took as inputs, in the Pipe's input order.
+        self.input_names = names
+        self._signature = signature
+        self._out_spec = out_spec
+        self._out_constants = out_constants
+        self._key_order = key_order
+        self._key_stages = key_stages
+        self._register_state_dict_hook(_PipelinedPipe._module_keys)
+        self._register_load_state_dict_pre_hook(_PipelinedPipe._stage_keys, with_module=True)
+
+    def _inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Union[Tensor, Tuple[Tensor, ...]]:
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"the pipelined module is called as its forward{self._signature}: "
+                            f"{exc}") from None
+        given = [n for n in bound.arguments]
+        if sorted(given) != sorted(self.input_names):
+            raise TypeError(f"this pipeline was traced with the arguments {self.input_names} "
+                            f"(the ones example_args and example_kwargs gave as tensors) but was "
+                            f"called with {given}; pass the same ones, or call gpipe.pipeline "
+                            f"again with examples of the arguments you want to pass")
+        values = [bound.arguments[n] for n in self.input_names]
+        return values[0] if len(values) == 1 else tuple(values)
+
+    def _outputs(self, out: Any) -> Any:
+        flat = list(out) if isinstance(out, tuple) else [out]
+        it = iter(flat)
+        leaves = [next(it) if c is _NODE else c for c in self._out_constants]
+        return pytree.tree_unflatten(leaves, self._out_spec)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Runs the pipeline on the module's own arguments (positional or keyword, as its
+        forward takes them) and returns what the module's forward returns."""
+        return self._outputs(super().forward(self._inputs(args, kwargs)))
+
+    def train_step(self, input: Any, target: Any,  # type: ignore[override]
+                   loss_fn: Callable[[Any, Any], Tensor],
+                   kwargs: Optional[Dict[str, Any]] = None) -> Tensor:
+        """:meth:`gpipe.Pipe.train_step` with the module's arguments: ``input`` is its one
+        positional tensor or a tuple of its positional arguments, ``kwargs`` its keyword
+        arguments; ``loss_fn`` gets one micro-batch's output as the module returns it."""
+        args = input if isinstance(input, tuple) else (input,)
+        packed = self._inputs(args, kwargs or {})
+        return super().train_step(packed, target,
+                                  lambda out, tgt: loss_fn(self._outputs(out), tgt))
+
+    @staticmethod
+    def _module_keys(self: "_PipelinedPipe", state_dict: Dict[str, Any], prefix: str,
+                     local_metadata: Any) -> None:
+        """state_dict hook: '<stage>.<key>' -> '<key>', in the module's key order."""
+        mine = {}
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            stage, _, rest = key[len(prefix):].partition(".")
+            if stage.isdigit() and rest in self._key_stages:
+                mine[rest] = state_dict.pop(key)
+        for rest in self._key_order:
+            if rest in mine:
+                state_dict[prefix + rest] = mine.pop(rest)
+        for rest, value in mine.items():
+            state_dict[prefix + rest] = value
+
+    @staticmethod
+    def _stage_keys(self: "_PipelinedPipe", state_dict: Dict[str, Any], prefix: str,
+                    *_: Any) -> None:
+        """load_state_dict pre-hook: '<key>' -> '<stage>.<key>' for each stage holding it."""
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            rest = key[len(prefix):]
+            if rest in self._key_stages:
+                value = state_dict.pop(key)
+                for stage in self._key_stages[rest]:
+                    state_dict[f"{prefix}{stage}.{rest}"] = value
+
+
+_NODE = object()  # marks an output leaf that comes from the last stage
+
+
+def pipeline(module: nn.Module, split_points: Sequence[str], example_args: Any = (),
+             example_kwargs: Optional[Dict[str, Any]] = None, **pipe_options: Any) -> Pipe:
+    """Cuts ``module`` into stages that begin at ``split_points`` and returns a
+    :class:`gpipe.Pipe` over them, called like ``module``.
+
+    Args:
+        module: any ``nn.Module`` whose forward torch.fx can trace (see below).
+        split_points: names of submodules (``module.named_modules()`` names, e.g.
+            ``["blocks.2", "blocks.4"]``) at whose first use a stage begins, as
+            torch.distributed.pipelining's ``SplitPoint.BEGINNING``: K names give K+1
+            stages. The stages' order is the order the forward uses them in.
+        example_args: the forward's positional arguments (a tuple, or one tensor), used to
+            choose which parameters become the Pipe's inputs and which values are tensors.
+            Their sizes are not fixed: any batch size works later.
+        example_kwargs: the forward's keyword arguments, as ``example_args``.
+        **pipe_options: :class:`gpipe.Pipe`'s own options (``chunks``, ``devices``,
+            ``checkpoint``, ``schedule``, ``batch_dim``, ...), except ``balance`` (one stage
+            per layer). ``batch_dim`` may also be a dict from the forward's parameter names
+            to a dim or None (a value not cut, e.g. ``{"attention_mask": None}``); unnamed
+            inputs are cut along dim 0.
+
+    The Pipe's inputs are the forward's parameters given as tensors in the examples, in the
+    order of the forward's signature (a list ``batch_dim`` follows that order); parameters
+    not given keep their defaults, and non-tensor arguments given are fixed at their example
+    values (the trace specialises on them). Call the pipe with the same set of arguments.
+
+    Only submodules that contain a split point (and the module itself) are traced; every
+    other submodule is called as written, so its own control flow needs no tracing.
+
+    Raises:
+        PipelineError: the forward cannot be traced (the message names the construct and
+            its source line, and the fallbacks), or a value crossing a cut cannot be routed.
+        ValueError: a split point that is not a submodule, or is never used; ``balance``
+            given.
+    """
+    if "balance" in pipe_options:
+        raise ValueError(f"gpipe.pipeline makes one stage per split, so balance="
+                         f"{pipe_options['balance']!r} does not apply; choose the stages with "
+                         f"split_points")
+    if isinstance(split_points, str):
+        split_points = [split_points]
+    split_points = list(split_points)
+    modules = dict(module.named_modules())
+    for sp in split_points:
+        if not isinstance(sp, str) or sp not in modules or sp == "":
+            close = difflib.get_close_matches(str(sp), [n for n in modules if n], n=3)
+            raise ValueError(f"split point {sp!r} is not a submodule of "
+                             f"{type(module).__name__}; pass names from module.named_modules()"
+                             + (f", e.g. {close}" if close else ""))
+    if len(set(split_points)) != len(split_points):
+        raise ValueError(f"split_points {split_points} names a submodule twice; give each once")
+
+    # Which forward parameters are inputs (tensors given), which are fixed.
+    example_args = example_args if isinstance(example_args, tuple) else (example_args,)
+    example_kwargs = dict(example_kwargs or {})
+    signature = inspect.signature(module.forward)
+    for p in signature.parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise PipelineError(f"{type(module).__name__}.forward takes *{p.name}: gpipe.pipeline "
+                                f"needs named parameters to map arguments to the Pipe's inputs; "
+                                f"give forward explicit parameters")
+    bound = signature.bind(*example_args, **example_kwargs)
+    names: List[str] = []
+    concrete: Dict[str, Any] = {}
+    for name, p in signature.parameters.items():
+        if name in bound.arguments and isinstance(bound.arguments[name], Tensor):
+            names.append(name)
+        elif name in bound.arguments:
+            concrete[name] = bound.arguments[name]
+        else:
+            concrete[name] = p.default
+    if not names:
+        raise ValueError("example_args and example_kwargs give no tensor; the Pipe needs at "
+                         "least one tensor input to cut into micro-batches")
+
+    graph = _trace(module, split_points, concrete)
+    # Drop the specialised parameters (fx keeps a placeholder and a check for each).
+    for node in list(graph.nodes):
+        if node.op == "call_function" and getattr(node.target, "__name__", "") in (
+                "_assert_is_none", "_assert_is_true"):
+            graph.erase_node(node)
+    for node in list(graph.nodes):
+        if node.op == "placeholder" and node.target not in names:
+            if node.users:
+                raise PipelineError(f"argument {node.target!r} was fixed at its example value "
+                                    f"but the trace still uses it; pass it as a tensor")
+            graph.erase_node(node)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    by_name = {n.target: n for n in placeholders}
+    order = [by_name[n] for n in names]
+
+    values = _record_values(module, graph, [bound.arguments[n] for n in names])
+    nodes = [n for n in graph.nodes if n.op != "output"]
+    index = {n: i for i, n in enumerate(nodes)}
+    output = next(n for n in graph.nodes if n.op == "output")
+
+    # Where each stage begins: the first node inside its split point's submodule.
+    def inside(node: fx.Node, sp: str) -> bool:
+        stack = node.meta.get("nn_module_stack") or {}
+        paths = [v[0] if isinstance(v, tuple) else v for v in stack.values()]
+        if node.op in ("call_module", "get_attr"):
+            paths.append(node.target)
+        return any(p == sp or str(p).startswith(sp + ".") for p in paths)
+
+    begins = []
+    for sp in split_points:
+        first = next((n for n in nodes if inside(n, sp)), None)
+        if first is None:
+            raise ValueError(f"split point {sp!r} is never used by {type(module).__name__}."
+                             f"forward on the example, so no stage can begin there; pass a "
+                             f"submodule the forward calls")
+        begins.append((index[first], sp))
+    begins.sort()
+    if begins[0][0] == 0 or any(a[0] == b[0] for a, b in zip(begins, begins[1:])):
+        raise ValueError(f"split points {[sp for _, sp in begins]} leave an empty stage; "
+                         f"choose submodules used at different points of the forward")
+    n_stages = len(begins) + 1
+    stage_of: Dict[fx.Node, int] = {}
+    s = 0
+    for n in nodes:
+        while s < len(begins) and index[n] >= begins[s][0]:
+            s += 1
+        stage_of[n] = 0 if n.op == "placeholder" else s
+    # A getitem of a value holding several tensors (a module returning a tuple) runs where
+    # that value is made, so only single tensors cross.
+    for n in nodes:
+        if (n.op == "call_function" and n.target is operator.getitem
+                and isinstance(n.args[0], fx.Node) and not isinstance(values.get(n.args[0]), Tensor)
+                and _leaves_have_tensor(values.get(n.args[0]))):
+            stage_of[n] = stage_of[n.args[0]]
+
+    def recomputed(n: fx.Node) -> bool:
+        return n.op == "get_attr" or (n.op != "placeholder" and not _leaves_have_tensor(values.get(n)))
+
+    # Per stage: values made elsewhere and routed in (ext), values recomputed here (remat).
+    ext: List[Set[fx.Node]] = [set() for _ in range(n_stages)]
+    remat: List[Set[fx.Node]] = [set() for _ in range(n_stages)]
+
+    def need(a: fx.Node, t: int, user: str) -> None:
+        if stage_of[a] == t or a in remat[t] or a in ext[t]:
+            return
+        if recomputed(a):
+            remat[t].add(a)
+            for b in a.all_input_nodes:
+                need(b, t, a.name)
+        elif isinstance(values.get(a), Tensor):
+            ext[t].add(a)
+        else:
+            raise PipelineError(
+                f"{a.name} ({a.format_node()}) holds {type(values.get(a)).__name__} of "
+                f"tensors and is used by {user} in another stage; only tensors cross stages: "
+                f"move the split point, or return/use its tensors one by one")
+
+    for n in nodes:
+        for a in n.all_input_nodes:
+            need(a, stage_of[n], n.name)
+    out_flat, out_spec = pytree.tree_flatten(output.args[0])
+    out_nodes = [x for x in out_flat if isinstance(x, fx.Node)]
+    for x in out_nodes:
+        if not isinstance(values.get(x), Tensor):
+            raise PipelineError(f"the forward returns {x.name}, a {type(values.get(x)).__name__}"
+                                f", not a tensor; a Pipe's outputs are tensors: return tensors "
+                                f"(in a tuple, list, dict of them)")
+        need(x, n_stages - 1, "the output")
+    out_constants = [_NODE if isinstance(x, fx.Node) else x for x in out_flat]
+
+    # Hand-offs: after stage k, every routed value a later stage needs.
+    hand: List[List[fx.Node]] = []
+    for k in range(n_stages - 1):
+        carried = {a for t in range(k + 1, n_stages) for a in ext[t] if stage_of[a] <= k}
+        hand.append(sorted(carried, key=index.__getitem__))
+
+    stages = []
+    for k in range(n_stages):
+        g = fx.Graph()
+        env: Dict[fx.Node, fx.Node] = {}
+        incoming = order if k == 0 else hand[k - 1]
+        if len(incoming) == 1:
+            env[incoming[0]] = g.placeholder("input")
+        else:
+            x = g.placeholder("input")
+            for i, a in enumerate(incoming):
+                env[a] = g.call_function(operator.getitem, (x, i))
+        body = sorted((n for n in nodes if n.op != "placeholder"
+                       and (stage_of[n] == k or n in remat[k])), key=index.__getitem__)
+        for n in body:
+            env[n] = g.node_copy(n, lambda a: env[a])
+        if k == n_stages - 1:
+            result = [env[x] for x in out_nodes]
+        else:
+            result = [env[a] for a in hand[k]]
+        g.output(result[0] if len(result) == 1 else tuple(result))
+        gm = fx.GraphModule(module, g, class_name=f"Stage{k}")
+        _keep_persistence(module, gm)
+        stages.append(gm)
+
+    # Parameters and buffers no stage uses still belong to the module's state_dict.
+    key_order = list(module.state_dict().keys())
+    held = {key for st in stages for key in st.state_dict().keys()}
+    for key in key_order:
+        if key not in held:
+            _attach(module, stages[0], key)
+    key_stages: Dict[str, List[int]] = {}
+    for k, st in enumerate(stages):
+        for key in st.state_dict().keys():
+            key_stages.setdefault(key, []).append(k)
+
+    options = dict(pipe_options)
+    bd = options.get("batch_dim", 0)
+    if isinstance(bd, dict):
+        unknown = set(bd) - set(names)
+        if unknown:
+            raise ValueError(f"batch_dim names {sorted(unknown)}, which are not the Pipe's "
+                             f"inputs {names}; name forward parameters given as tensors")
+        dims = [bd.get(n, 0) for n in names]
+        options["batch_dim"] = dims if len(dims) > 1 else dims[0]
+    return _PipelinedPipe(nn.Sequential(*stages), names, signature, out_spec, out_constants,
+                          key_order, key_stages, **options)
+
+
+def _keep_persistence(module: nn.Module, gm: nn.Module) -> None:
+    """fx registers every copied buffer as persistent; keep the module's choice."""
+    for name, _ in list(gm.named_buffers()):
+        owner, field = _owner(module, name)
+        if field in owner._non_persistent_buffers_set:
+            holder, _ = _owner(gm, name)
+            holder._non_persistent_buffers_set.add(field)
+
+
+def _attach(module: nn.Module, stage: nn.Module, key: str) -> None:
+    """Registers the module's ``key`` (a parameter, buffer or extra state no stage uses) on
+    ``stage`` under the same name, creating holder modules on the way."""
+    *path, field = key.split(".")
+    src, dst = module, stage
+    for item in path:
+        src = getattr(src, item)
+        nxt = getattr(dst, item, None)
+        if nxt is src:
+            return  # the stage holds the module itself
+        if nxt is None:
+            nxt = nn.Module()
+            dst.add_module(item, nxt)
+        dst = nxt
+    if field in src._parameters:
+        dst.register_parameter(field, src._parameters[field])
+    elif field in src._buffers:
+        dst.register_buffer(field, src._buffers[field])

@@ -1,0 +1,267 @@
+"""gpipe.pipeline: a traced nn.Module cut at named submodules equals the module (outputs, grads,
+state_dict, ties, kwargs, batch sizes) and refuses what it cannot trace, naming the line."""
+import math
+from typing import Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import gpipe
+from conftest import TOL, max_diff
+
+torch.set_num_threads(1)
+
+V, C, T, H = 11, 8, 5, 2
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(C, 3 * C)
+        self.proj = nn.Linear(C, C)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        b, t, c = x.size()
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q = q.view(b, t, H, c // H).transpose(1, 2)
+        k = k.view(b, t, H, c // H).transpose(1, 2)
+        v = v.view(b, t, H, c // H).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // H)
+        att = att.masked_fill(mask[:t, :t] == 0, float("-inf")).softmax(dim=-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(C), Attention()
+        self.ln2, self.mlp = nn.LayerNorm(C), nn.Sequential(nn.Linear(C, 4 * C), nn.GELU(),
+                                                            nn.Linear(4 * C, C))
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x), mask)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Written the usual way: tok + pos embeddings, blocks in a ModuleList, tied lm_head."""
+
+    def __init__(self, n_layer: int = 4) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(V, C)
+        self.pos = nn.Embedding(T, C)
+        self.blocks = nn.ModuleList(Block() for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(C)
+        self.lm_head = nn.Linear(C, V, bias=False)
+        self.lm_head.weight = self.tok.weight
+
+    def forward(self, idx: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        if attention_mask is None:
+            attention_mask = torch.ones(t, t, device=idx.device).tril()
+        for block in self.blocks:
+            x = block(x, attention_mask)
+        return self.lm_head(self.ln_f(x))
+
+
+class UNet(nn.Module):
+    """Encoder outputs joined (torch.cat) two and three stages later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc1 = nn.Sequential(nn.Conv1d(2, 4, 3, padding=1), nn.ReLU())
+        self.enc2 = nn.Sequential(nn.Conv1d(4, 8, 3, padding=1), nn.ReLU())
+        self.mid = nn.Conv1d(8, 8, 3, padding=1)
+        self.dec2 = nn.Conv1d(16, 4, 3, padding=1)
+        self.dec1 = nn.Conv1d(8, 2, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        e1 = self.enc1(x)
+        e2 = self.enc2(F.max_pool1d(e1, 2))
+        m = self.mid(e2)
+        d2 = self.dec2(torch.cat([m, e2], dim=1))
+        up = F.interpolate(d2, scale_factor=2.0)
+        return self.dec1(torch.cat([up, e1], dim=1))
+
+
+def gpt() -> GPT:
+    return GPT().double()
+
+
+def idx_of(rows: int) -> Tensor:
+    return torch.randint(0, V, (rows, T))
+
+
+def causal() -> Tensor:
+    return torch.ones(T, T, dtype=torch.float64).tril()
+
+
+def grads_equal(a: nn.Module, b: nn.Module) -> None:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        assert max_diff(pa[name].grad, pb[name].grad) < TOL, name
+
+
+def twin(model: nn.Module) -> nn.Module:
+    """An independent copy (the pipe shares the model's own parameters)."""
+    import copy
+    return copy.deepcopy(model)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4])
+def test_gpt_outputs_and_grads(checkpoint: str, chunks: int) -> None:
+    model = gpt()
+    plain = twin(model)
+    pipe = gpipe.pipeline(model, ["blocks.1", "blocks.3"], (idx_of(2),), chunks=chunks,
+                          checkpoint=checkpoint)
+    assert len(pipe) == 3
+    idx = idx_of(7)  # uneven micro-batches with chunks 2..4; not the example's batch size
+    out = pipe(idx)
+    ref = plain(idx)
+    assert max_diff(out, ref) < TOL
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    grads_equal(model, plain)
+
+
+def test_gpt_train_step() -> None:
+    model = gpt()
+    plain = twin(model)
+    pipe = gpipe.pipeline(model, ["blocks.1", "blocks.3"], idx_of(3), chunks=3)
+    idx, target = idx_of(7), idx_of(7)
+
+    def loss_fn(logits: Tensor, tgt: Tensor) -> Tensor:
+        return F.cross_entropy(logits.reshape(-1, V), tgt.reshape(-1))
+
+    loss = pipe.train_step(idx, target, loss_fn)
+    ref = loss_fn(plain(idx), target)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < TOL
+    grads_equal(model, plain)
+
+
+def test_gpt_tied_weight_stays_one_parameter() -> None:
+    model = gpt()
+    plain = twin(model)
+    pipe = gpipe.pipeline(model, ["blocks.1", "blocks.3"], idx_of(2), chunks=2)
+    params = list(pipe.parameters())
+    assert len(params) == len({id(p) for p in params}) == len(list(model.parameters()))
+    assert {id(p) for p in params} == {id(p) for p in model.parameters()}  # shared, not copied
+    assert pipe[0].tok.weight is pipe[2].lm_head.weight is model.tok.weight
+    idx = idx_of(4)
+    pipe(idx).sum().backward()
+    plain(idx).sum().backward()
+    assert max_diff(model.tok.weight.grad, plain.tok.weight.grad) < TOL
+
+
+def test_gpt_state_dict_keys_and_loading() -> None:
+    model = gpt()
+    pipe = gpipe.pipeline(model, ["blocks.1", "blocks.3"], idx_of(2))
+    assert list(pipe.state_dict().keys()) == list(model.state_dict().keys())
+    other = gpt()  # different weights
+    other.load_state_dict(pipe.state_dict())
+    idx = idx_of(3)
+    assert max_diff(other(idx), pipe(idx)) < TOL
+    fresh = gpt()
+    pipe.load_state_dict(fresh.state_dict())  # strict
+    assert max_diff(pipe(idx), fresh(idx)) < TOL
+    assert torch.equal(model.blocks[2].attn.qkv.weight, fresh.blocks[2].attn.qkv.weight)
+
+
+@pytest.mark.parametrize("batch_dim", [[0, None], {"attention_mask": None}])
+def test_gpt_keyword_mask_not_cut(batch_dim: object) -> None:
+    model = gpt()
+    plain = twin(model)
+    mask = causal()
+    pipe = gpipe.pipeline(model, ["blocks.1", "blocks.3"], (idx_of(2),),
+                          {"attention_mask": mask}, chunks=4, batch_dim=batch_dim)
+    assert pipe.input_names == ["idx", "attention_mask"]
+    idx = idx_of(6)
+    w = torch.randn(6, T, V, dtype=torch.float64)
+    out = pipe(idx, attention_mask=mask)
+    assert max_diff(out, plain(idx, attention_mask=mask)) < TOL
+    assert max_diff(pipe(idx, mask), out) < TOL  # positionally too
+    (out * w).sum().backward()
+    (plain(idx, attention_mask=mask) * w).sum().backward()
+    grads_equal(model, plain)
+    with pytest.raises(TypeError, match="traced with the arguments"):
+        pipe(idx)
+
+
+def test_batch_size_not_fixed_one_row_micro_batches() -> None:
+    model = gpt()
+    plain = twin(model)
+    pipe = gpipe.pipeline(model, ["blocks.1", "blocks.3"], idx_of(5), chunks=4)
+    for rows in (1, 3, 4, 9):  # 1 and 3 rows: one-row micro-batches
+        idx = idx_of(rows)
+        assert max_diff(pipe(idx), plain(idx)) < TOL
+
+
+@pytest.mark.parametrize("split", [["enc2", "dec2"], ["enc2", "mid", "dec1"]])
+def test_unet_skips_cross_stages(split: list) -> None:
+    model = UNet().double()
+    plain = twin(model)
+    x = torch.randn(5, 2, 8, dtype=torch.float64)
+    pipe = gpipe.pipeline(model, split, x, chunks=3)
+    assert len(pipe) == len(split) + 1
+    out = pipe(x)
+    assert max_diff(out, plain(x)) < TOL
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    (plain(x) * w).sum().backward()
+    grads_equal(model, plain)
+    assert list(pipe.state_dict()) == list(model.state_dict())
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        if h.sum() > 0:
+            h = -h
+        return self.b(h)
+
+
+def test_untraceable_names_the_line_and_the_fallback() -> None:
+    with pytest.raises(RuntimeError) as info:
+        gpipe.pipeline(DataDependent(), ["b"], torch.randn(2, 3))
+    text = str(info.value)
+    assert "if h.sum() > 0:" in text and "test_pipeline.py:" in text
+    assert "nn.Sequential" in text and "submodule" in text
+
+
+class Wrapped(nn.Module):
+    """The same control flow inside a submodule with no split point: called, not traced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.b = DataDependent(), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.inner(x))
+
+
+def test_untraceable_region_inside_one_submodule_works() -> None:
+    model = Wrapped().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    # chunks=1: the branch reads the whole batch's sum, which micro-batches would each
+    # decide for themselves (as in any gpipe.Pipe).
+    pipe = gpipe.pipeline(model, ["b"], x, chunks=1)
+    assert max_diff(pipe(x), model(x)) < TOL
+
+
+def test_bad_split_points() -> None:
+    with pytest.raises(ValueError, match="blocks.1"):
+        gpipe.pipeline(gpt(), ["block.1"], idx_of(2))
+    with pytest.raises(ValueError, match="balance"):
+        gpipe.pipeline(gpt(), ["blocks.1"], idx_of(2), balance=[1, 1])
