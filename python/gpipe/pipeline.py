@@ -11,13 +11,14 @@ parameters under their own dotted names; the result is a :class:`gpipe.Pipe` ove
 called like the module (``pipe(idx, attention_mask=mask)``), whose ``state_dict()`` keys
 are the module's. See docs/pipeline.md.
 """
+import contextlib
 import difflib
 import inspect
 import linecache
 import operator
 import os
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -75,24 +76,52 @@ _FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint", "eye
               "tril_indices", "triu_indices")
 
 
-def _traced_factory(tracer: fx.Tracer, fn: Callable) -> Callable:
+def _traced_factory(fn: Callable) -> Callable:
     def factory(*args: Any, **kwargs: Any) -> Any:
-        if any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args, kwargs))):
-            return tracer.create_proxy("call_function", fn, args, kwargs)
+        for a in pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, fx.Proxy):
+                return a.tracer.create_proxy("call_function", fn, args, kwargs)
         return fn(*args, **kwargs)
     factory.__wrapped__ = fn  # type: ignore[attr-defined]
     return factory
 
 
+@contextlib.contextmanager
+def _factories_traced() -> Iterator[None]:
+    """While tracing, torch's factories record themselves when given traced sizes. Other
+    threads see the patch too, but it changes only calls given a Proxy."""
+    originals = {name: getattr(torch, name) for name in _FACTORIES}
+    try:
+        for name, fn in originals.items():
+            setattr(torch, name, _traced_factory(fn))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch, name, fn)
+
+
+class _Stage(fx.GraphModule):
+    """One stage: a GraphModule holding the module's own submodules and parameters under
+    their dotted names. Unpickling retraces the generated code, with torch's factories
+    traced as when it was made."""
+
+    def __reduce__(self) -> Any:
+        rebuild, args = super().__reduce__()
+        return (_unpickle_stage, (rebuild, args))
+
+
+def _unpickle_stage(rebuild: Callable, args: Any) -> nn.Module:
+    with _factories_traced():
+        gm = rebuild(*args)
+    return _Stage(gm, gm.graph, class_name=type(gm).__name__)
+
+
 def _trace(module: nn.Module, split_points: Sequence[str],
            concrete: Dict[str, Any]) -> fx.Graph:
     tracer = _Tracer(split_points)
-    originals = {name: getattr(torch, name) for name in _FACTORIES}
     try:
-        # Visible to other threads while tracing, but it only changes calls given a Proxy.
-        for name, fn in originals.items():
-            setattr(torch, name, _traced_factory(tracer, fn))
-        return tracer.trace(module, concrete_args=concrete or None)
+        with _factories_traced():
+            return tracer.trace(module, concrete_args=concrete or None)
     except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError... from user code
         frame = _user_frame(exc.__traceback__)
         where = ""
@@ -104,9 +133,6 @@ def _trace(module: nn.Module, split_points: Sequence[str],
             f"{type(exc).__name__}: {exc}. Python control flow on tensor values (if, while, "
             f"bool(), .item(), iterating a tensor) cannot be traced into a graph; {_FALLBACK}"
         ) from exc
-    finally:
-        for name, fn in originals.items():
-            setattr(torch, name, fn)
 
 
 def _leaves_have_tensor(value: Any) -> bool:
@@ -147,12 +173,14 @@ class _PipelinedPipe(Pipe):
     """A :class:`gpipe.Pipe` over the stages of a traced module, called like that module
     (``pipe(*args, **kwargs)``), with the module's ``state_dict()`` keys."""
 
-    def __init__(self, stages: nn.Sequential, names: List[str], signature: inspect.Signature,
+    def __init__(self, stages: nn.Sequential, names: List[str], fixed: Dict[str, Any],
+                 signature: inspect.Signature,
                  out_spec: Any, out_constants: List[Any], key_order: List[str],
                  key_stages: Dict[str, List[int]], **options: Any) -> None:
         super().__init__(stages, balance=[1] * len(stages), **options)
         #: The forward's parameters the trace took as inputs, in the Pipe's input order.
         self.input_names = names
+        self._fixed = fixed
         self._signature = signature
         self._out_spec = out_spec
         self._out_constants = out_constants
@@ -167,19 +195,32 @@ class _PipelinedPipe(Pipe):
         except TypeError as exc:
             raise TypeError(f"the pipelined module is called as its forward{self._signature}: "
                             f"{exc}") from None
-        given = [n for n in bound.arguments]
-        if sorted(given) != sorted(self.input_names):
-            raise TypeError(f"this pipeline was traced with the arguments {self.input_names} "
-                            f"(the ones example_args and example_kwargs gave as tensors) but was "
-                            f"called with {given}; pass the same ones, or call gpipe.pipeline "
-                            f"again with examples of the arguments you want to pass")
+        missing = [n for n in self.input_names if n not in bound.arguments]
+        if missing:
+            raise TypeError(f"this pipeline was traced with the tensor arguments "
+                            f"{self.input_names} but was called without {missing}; pass them, "
+                            f"or call gpipe.pipeline again with examples of the arguments you "
+                            f"want to pass")
+        for name, fixed in self._fixed.items():
+            value = bound.arguments.get(name, self._signature.parameters[name].default)
+            same = value is fixed
+            if not same and not isinstance(value, Tensor) and not isinstance(fixed, Tensor):
+                try:
+                    same = bool(value == fixed)
+                except Exception:
+                    same = False
+            if not same:
+                raise TypeError(f"this pipeline was traced with {name}={fixed!r} (fixed: not a "
+                                f"tensor in the examples) but was called with {name}={value!r}; "
+                                f"call gpipe.pipeline again with that value, or with a tensor "
+                                f"example to make it an input")
         values = [bound.arguments[n] for n in self.input_names]
         return values[0] if len(values) == 1 else tuple(values)
 
     def _outputs(self, out: Any) -> Any:
         flat = list(out) if isinstance(out, tuple) else [out]
         it = iter(flat)
-        leaves = [next(it) if c is _NODE else c for c in self._out_constants]
+        leaves = [next(it) if c is None else c[0] for c in self._out_constants]
         return pytree.tree_unflatten(leaves, self._out_spec)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
@@ -223,9 +264,6 @@ class _PipelinedPipe(Pipe):
                 value = state_dict.pop(key)
                 for stage in self._key_stages[rest]:
                     state_dict[f"{prefix}{stage}.{rest}"] = value
-
-
-_NODE = object()  # marks an output leaf that comes from the last stage
 
 
 def pipeline(module: nn.Module, split_points: Sequence[str], example_args: Any = (),
@@ -304,20 +342,33 @@ def pipeline(module: nn.Module, split_points: Sequence[str], example_args: Any =
                          "least one tensor input to cut into micro-batches")
 
     graph = _trace(module, split_points, concrete)
-    # Drop the specialised parameters (fx keeps a placeholder and a check for each).
-    for node in list(graph.nodes):
-        if node.op == "call_function" and getattr(node.target, "__name__", "") in (
-                "_assert_is_none", "_assert_is_true"):
-            graph.erase_node(node)
-    for node in list(graph.nodes):
-        if node.op == "placeholder" and node.target not in names:
-            if node.users:
-                raise PipelineError(f"argument {node.target!r} was fixed at its example value "
-                                    f"but the trace still uses it; pass it as a tensor")
-            graph.erase_node(node)
+    # Drop the specialised parameters: fx keeps a placeholder for each (in signature order)
+    # and checks on it (``eq`` then ``_assert``); the values are baked into the graph.
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    by_name = {n.target: n for n in placeholders}
-    order = [by_name[n] for n in names]
+    params = list(signature.parameters)
+    if len(placeholders) != len(params):
+        raise PipelineError(f"the trace of {type(module).__name__}.forward has "
+                            f"{len(placeholders)} inputs for {len(params)} parameters; "
+                            f"gpipe.pipeline cannot tell which is which")
+    checks = (operator.eq, torch._assert, getattr(fx._symbolic_trace, "_assert_is_none", None))
+    order: List[fx.Node] = []
+    for name, node in zip(params, placeholders):
+        if name in names:
+            order.append(node)
+            continue
+        doomed, todo = [], [node]
+        while todo:
+            n = todo.pop()
+            doomed.append(n)
+            for user in n.users:
+                if user.op != "call_function" or user.target not in checks:
+                    raise PipelineError(f"argument {name!r} was fixed at its example value "
+                                        f"({concrete[name]!r}) but {user.format_node()} uses "
+                                        f"it; pass it as a tensor, or use it only in Python "
+                                        f"control flow")
+                todo.append(user)
+        for n in sorted(set(doomed), key=lambda n: -list(graph.nodes).index(n)):
+            graph.erase_node(n)
 
     values = _record_values(module, graph, [bound.arguments[n] for n in names])
     nodes = [n for n in graph.nodes if n.op != "output"]
@@ -392,7 +443,8 @@ def pipeline(module: nn.Module, split_points: Sequence[str], example_args: Any =
                                 f", not a tensor; a Pipe's outputs are tensors: return tensors "
                                 f"(in a tuple, list, dict of them)")
         need(x, n_stages - 1, "the output")
-    out_constants = [_NODE if isinstance(x, fx.Node) else x for x in out_flat]
+    # None: the last stage's next output; (value,): a constant the forward returns.
+    out_constants = [None if isinstance(x, fx.Node) else (x,) for x in out_flat]
 
     # Hand-offs: after stage k, every routed value a later stage needs.
     hand: List[List[fx.Node]] = []
@@ -420,7 +472,7 @@ def pipeline(module: nn.Module, split_points: Sequence[str], example_args: Any =
         else:
             result = [env[a] for a in hand[k]]
         g.output(result[0] if len(result) == 1 else tuple(result))
-        gm = fx.GraphModule(module, g, class_name=f"Stage{k}")
+        gm = _Stage(module, g, class_name=f"Stage{k}")
         _keep_persistence(module, gm)
         stages.append(gm)
 
@@ -444,7 +496,7 @@ def pipeline(module: nn.Module, split_points: Sequence[str], example_args: Any =
                              f"inputs {names}; name forward parameters given as tensors")
         dims = [bd.get(n, 0) for n in names]
         options["batch_dim"] = dims if len(dims) > 1 else dims[0]
-    return _PipelinedPipe(nn.Sequential(*stages), names, signature, out_spec, out_constants,
+    return _PipelinedPipe(nn.Sequential(*stages), names, concrete, signature, out_spec, out_constants,
                           key_order, key_stages, **options)
 
 
