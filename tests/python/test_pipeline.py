@@ -330,3 +330,34 @@ def test_pickle_round_trip() -> None:
     idx = idx_of(3)
     assert max_diff(pipe(idx), model(idx)) < TOL
     assert pipe[0].tok.weight is pipe[2].lm_head.weight
+
+
+def test_train_step_with_keyword_mask_and_schedules() -> None:
+    mask = causal()
+    for schedule in ["1f1b", "gpipe", "zb_h1"]:
+        model = gpt()
+        plain = twin(model)
+        pipe = gpipe.pipeline(model, ["blocks.1", "blocks.3"], idx_of(2),
+                              {"attention_mask": mask}, chunks=4,
+                              batch_dim={"attention_mask": None}, schedule=schedule)
+        idx, target = idx_of(7), idx_of(7)
+
+        def loss_fn(logits: Tensor, tgt: Tensor) -> Tensor:
+            return F.cross_entropy(logits.reshape(-1, V), tgt.reshape(-1))
+
+        loss = pipe.train_step((idx,), target, loss_fn, kwargs={"attention_mask": mask})
+        ref = loss_fn(plain(idx, attention_mask=mask), target)
+        ref.backward()
+        assert abs(loss.item() - ref.item()) < TOL, schedule
+        grads_equal(model, plain)
+
+
+def test_state_dict_keys_inside_a_parent_module() -> None:
+    model = gpt()
+    parent = nn.Module()
+    parent.pipe = gpipe.pipeline(model, ["blocks.2"], idx_of(2))
+    keys = list(parent.state_dict())
+    assert keys == ["pipe." + k for k in model.state_dict()]
+    fresh = gpt()
+    parent.load_state_dict({"pipe." + k: v for k, v in fresh.state_dict().items()})
+    assert torch.equal(model.blocks[0].attn.qkv.weight, fresh.blocks[0].attn.qkv.weight)
