@@ -14,6 +14,7 @@ are the module's. See docs/pipeline.md.
 import contextlib
 import difflib
 import inspect
+import itertools
 import linecache
 import operator
 import os
@@ -25,6 +26,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from gpipe.balance import balance_cost
 from gpipe.pipe import Pipe
 
 __all__ = ["pipeline", "PipelineError"]
@@ -266,8 +268,9 @@ class _PipelinedPipe(Pipe):
                     state_dict[f"{prefix}{stage}.{rest}"] = value
 
 
-def pipeline(module: nn.Module, split_points: Sequence[str], example_args: Any = (),
-             example_kwargs: Optional[Dict[str, Any]] = None, **pipe_options: Any) -> Pipe:
+def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
+             example_args: Any = (), example_kwargs: Optional[Dict[str, Any]] = None, *,
+             stages: Optional[int] = None, **pipe_options: Any) -> Pipe:
     """Cuts ``module`` into stages that begin at ``split_points`` and returns a
     :class:`gpipe.Pipe` over them, called like ``module``.
 
@@ -281,6 +284,10 @@ def pipeline(module: nn.Module, split_points: Sequence[str], example_args: Any =
             choose which parameters become the Pipe's inputs and which values are tensors.
             Their sizes are not fixed: any batch size works later.
         example_kwargs: the forward's keyword arguments, as ``example_args``.
+        stages: instead of ``split_points``, the number of stages: the submodules the
+            module's own forward calls (``tok``, ``blocks.0``, ... ``lm_head``) are balanced
+            by parameter count (:func:`gpipe.balance.balance_cost`; a tied parameter counts
+            once, at its first use) and the stages begin at the chosen ones.
         **pipe_options: :class:`gpipe.Pipe`'s own options (``chunks``, ``devices``,
             ``checkpoint``, ``schedule``, ``batch_dim``, ...), except ``balance`` (one stage
             per layer). ``batch_dim`` may also be a dict from the forward's parameter names
@@ -301,6 +308,14 @@ def pipeline(module: nn.Module, split_points: Sequence[str], example_args: Any =
         ValueError: a split point that is not a submodule, or is never used; ``balance``
             given.
     """
+    if stages is not None:
+        if split_points is not None:
+            raise ValueError(f"pass split_points or stages, not both (got split_points="
+                             f"{split_points!r}, stages={stages!r})")
+        split_points = _balanced_split_points(module, stages, example_args, example_kwargs)
+    elif split_points is None:
+        raise ValueError("pass split_points (submodule names where stages begin) or stages "
+                         "(a number of stages to balance by parameter count)")
     if "balance" in pipe_options:
         raise ValueError(f"gpipe.pipeline makes one stage per split, so balance="
                          f"{pipe_options['balance']!r} does not apply; choose the stages with "
@@ -498,6 +513,37 @@ def pipeline(module: nn.Module, split_points: Sequence[str], example_args: Any =
         options["batch_dim"] = dims if len(dims) > 1 else dims[0]
     return _PipelinedPipe(nn.Sequential(*stages), names, concrete, signature, out_spec, out_constants,
                           key_order, key_stages, **options)
+
+
+def _balanced_split_points(module: nn.Module, stages: Any, example_args: Any,
+                           example_kwargs: Optional[Dict[str, Any]]) -> List[str]:
+    """Split points for ``stages`` stages over the submodules the forward calls, balanced by
+    parameter count."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be an int of at least 1, got {stages!r}")
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    bound = inspect.signature(module.forward).bind(*args, **(example_kwargs or {}))
+    concrete = {name: bound.arguments.get(name, p.default)
+                for name, p in inspect.signature(module.forward).parameters.items()
+                if not isinstance(bound.arguments.get(name), Tensor)}
+    graph = _trace(module, [], concrete)
+    calls: List[str] = []
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target not in calls:
+            calls.append(node.target)
+    if len(calls) < stages:
+        raise ValueError(f"stages={stages} but {type(module).__name__}.forward calls only "
+                         f"{len(calls)} submodules ({calls}) to begin stages at; pass at most "
+                         f"{len(calls)}, or split_points inside them")
+    seen: Set[int] = set()
+    costs = []
+    for name in calls:
+        params = [p for p in module.get_submodule(name).parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        costs.append(sum(p.numel() for p in params))
+    counts = balance_cost(costs, stages)
+    starts = list(itertools.accumulate(counts))[:-1]
+    return [calls[i] for i in starts]
 
 
 def _keep_persistence(module: nn.Module, gm: nn.Module) -> None:

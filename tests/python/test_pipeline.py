@@ -361,3 +361,17 @@ def test_state_dict_keys_inside_a_parent_module() -> None:
     fresh = gpt()
     parent.load_state_dict({"pipe." + k: v for k, v in fresh.state_dict().items()})
     assert torch.equal(model.blocks[0].attn.qkv.weight, fresh.blocks[0].attn.qkv.weight)
+
+
+def test_stages_balanced_by_parameter_count() -> None:
+    model = GPT(n_layer=6).double()
+    plain = twin(model)
+    pipe = gpipe.pipeline(model, example_args=idx_of(2), stages=3, chunks=2)
+    assert len(pipe) == 3
+    # tok (tied with lm_head, counted once) and pos, then six equal blocks, ln_f, lm_head (0)
+    firsts = [next(n.target for n in st.graph.nodes if n.op == "call_module") for st in pipe]
+    assert firsts == ["tok", "blocks.2", "blocks.4"]
+    idx = idx_of(5)
+    assert max_diff(pipe(idx), plain(idx)) < TOL
+    with pytest.raises(ValueError, match="calls only"):
+        gpipe.pipeline(gpt(), example_args=idx_of(2), stages=20)
