@@ -375,3 +375,44 @@ def test_stages_balanced_by_parameter_count() -> None:
     assert max_diff(pipe(idx), plain(idx)) < TOL
     with pytest.raises(ValueError, match="calls only"):
         gpipe.pipeline(gpt(), example_args=idx_of(2), stages=20)
+
+
+def test_split_point_inside_a_block() -> None:
+    model = gpt()
+    plain = twin(model)
+    mask = causal()
+    pipe = gpipe.pipeline(model, ["blocks.1.mlp", "blocks.2.attn"], idx_of(2),
+                          {"attention_mask": mask}, chunks=3, batch_dim=[0, None])
+    idx = idx_of(5)
+    out = pipe(idx, attention_mask=mask)
+    ref = plain(idx, attention_mask=mask)
+    assert max_diff(out, ref) < TOL
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    grads_equal(model, plain)
+    assert list(pipe.state_dict()) == list(model.state_dict())
+
+
+class TupleAcross(nn.Module):
+    def __init__(self, whole: bool) -> None:
+        super().__init__()
+        self.pair, self.mid, self.whole = Pair(), nn.Linear(3, 3), whole
+
+    def forward(self, x: Tensor) -> tuple:
+        p = self.pair(x)
+        h = self.mid(p[0])
+        if self.whole:  # a Python attribute, not a traced value
+            return (h + torch.stack(p).sum(0),)
+        return h, p[1]
+
+
+def test_tuple_output_and_a_tuple_crossing_whole_is_refused() -> None:
+    model = TupleAcross(whole=False).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    out = gpipe.pipeline(model, ["mid"], x, chunks=2)(x)
+    ref = model(x)
+    assert isinstance(out, tuple) and len(out) == 2
+    assert max_diff(out[0], ref[0]) < TOL and max_diff(out[1], ref[1]) < TOL
+    with pytest.raises(RuntimeError, match="only tensors cross stages"):
+        gpipe.pipeline(TupleAcross(whole=True).double(), ["mid"], x)
