@@ -59,16 +59,21 @@ class _Tracer(fx.Tracer):
         return not any(_is_ancestor(qualname, sp) for sp in self.split_points)
 
 
-def _user_frame(tb: Any) -> Optional[traceback.FrameSummary]:
-    """The innermost frame of the traceback outside torch (where the user's code failed)."""
+def _user_frame(tb: Any) -> Tuple[Optional[traceback.FrameSummary], Any]:
+    """The innermost frame of the traceback outside torch (where the user's code failed),
+    and its ``self`` (the module whose forward it is), if any."""
     torch_dir = os.path.dirname(torch.__file__)
     here = os.path.abspath(__file__)
-    found = None
-    for frame in traceback.extract_tb(tb):
-        path = os.path.abspath(frame.filename)
-        if not path.startswith(torch_dir) and path != here:
-            found = frame
-    return found
+    found, owner = None, None
+    while tb is not None:
+        frame = tb.tb_frame
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(torch_dir) and path != here and not path.startswith("<"):
+            found = traceback.FrameSummary(frame.f_code.co_filename, tb.tb_lineno,
+                                           frame.f_code.co_name)
+            owner = frame.f_locals.get("self")
+        tb = tb.tb_next
+    return found, owner
 
 
 #: torch factories whose sizes may be traced values (``torch.ones(t, t)`` with ``t`` from
@@ -125,13 +130,21 @@ def _trace(module: nn.Module, split_points: Sequence[str],
         with _factories_traced():
             return tracer.trace(module, concrete_args=concrete or None)
     except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError... from user code
-        frame = _user_frame(exc.__traceback__)
-        where = ""
+        frame, owner = _user_frame(exc.__traceback__)
+        where, why = "", ""
         if frame is not None:
-            line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
-            where = f" at {frame.filename}:{frame.lineno} (in {frame.name}): `{line}`"
+            line = linecache.getline(frame.filename, frame.lineno).strip()
+            func = frame.name
+            if isinstance(owner, nn.Module):
+                func = f"{type(owner).__name__}.{func}"
+                name = next((n for n, m in module.named_modules() if m is owner), None)
+                inner = [sp for sp in split_points if name and _is_ancestor(name, sp)]
+                if inner:
+                    why = (f" ({name!r} is traced because it contains the split point(s) "
+                           f"{inner})")
+            where = f" at {frame.filename}:{frame.lineno} in {func}: `{line}`{why}"
         raise PipelineError(
-            f"gpipe.pipeline could not trace {type(module).__name__}.forward with torch.fx{where}: "
+            f"gpipe.pipeline could not trace {type(module).__name__} with torch.fx{where}: "
             f"{type(exc).__name__}: {exc}. Python control flow on tensor values (if, while, "
             f"bool(), .item(), iterating a tensor) cannot be traced into a graph; {_FALLBACK}"
         ) from exc
@@ -316,6 +329,12 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
     elif split_points is None:
         raise ValueError("pass split_points (submodule names where stages begin) or stages "
                          "(a number of stages to balance by parameter count)")
+    known = set(inspect.signature(Pipe.__init__).parameters) - {"self", "module"}
+    unknown = sorted(set(pipe_options) - known)
+    if unknown:
+        raise TypeError(f"gpipe.pipeline got {unknown}, which are not gpipe.Pipe options "
+                        f"({sorted(known - {'balance'})}); the module's own keyword arguments "
+                        f"go in example_kwargs, e.g. example_kwargs={{{unknown[0]!r}: ...}}")
     if "balance" in pipe_options:
         raise ValueError(f"gpipe.pipeline makes one stage per split, so balance="
                          f"{pipe_options['balance']!r} does not apply; choose the stages with "
@@ -390,17 +409,21 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
     index = {n: i for i, n in enumerate(nodes)}
     output = next(n for n in graph.nodes if n.op == "output")
 
-    # Where each stage begins: the first node inside its split point's submodule.
-    def inside(node: fx.Node, sp: str) -> bool:
+    # Where each stage begins: the first node run by its split point's submodule (a call,
+    # or a node traced inside it); a parameter read from outside (a tie) does not count,
+    # unless that is all the forward does with it.
+    def inside(node: fx.Node, sp: str, reads: bool = False) -> bool:
         stack = node.meta.get("nn_module_stack") or {}
         paths = [v[0] if isinstance(v, tuple) else v for v in stack.values()]
-        if node.op in ("call_module", "get_attr"):
+        if node.op == "call_module" or (reads and node.op == "get_attr"):
             paths.append(node.target)
         return any(p == sp or str(p).startswith(sp + ".") for p in paths)
 
     begins = []
     for sp in split_points:
         first = next((n for n in nodes if inside(n, sp)), None)
+        if first is None:
+            first = next((n for n in nodes if inside(n, sp, reads=True)), None)
         if first is None:
             raise ValueError(f"split point {sp!r} is never used by {type(module).__name__}."
                              f"forward on the example, so no stage can begin there; pass a "

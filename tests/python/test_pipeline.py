@@ -267,6 +267,13 @@ def test_bad_split_points() -> None:
         gpipe.pipeline(gpt(), ["block.1"], idx_of(2))
     with pytest.raises(ValueError, match="balance"):
         gpipe.pipeline(gpt(), ["blocks.1"], idx_of(2), balance=[1, 1])
+    with pytest.raises(TypeError, match="example_kwargs"):
+        gpipe.pipeline(gpt(), ["blocks.1"], idx_of(2), attention_mask=causal())
+    with pytest.raises(ValueError, match="never used"):
+        gpipe.pipeline(FunctionalHead(), ["unused"], idx_of(2))
+    with pytest.raises(RuntimeError, match=r"DataDependent.forward: `if h.sum\(\) > 0:` "
+                                           r"\('inner' is traced because it contains"):
+        gpipe.pipeline(Wrapped(), ["inner.b"], torch.randn(2, 3))
 
 
 class FunctionalHead(nn.Module):
@@ -416,3 +423,28 @@ def test_tuple_output_and_a_tuple_crossing_whole_is_refused() -> None:
     assert max_diff(out[0], ref[0]) < TOL and max_diff(out[1], ref[1]) < TOL
     with pytest.raises(RuntimeError, match="only tensors cross stages"):
         gpipe.pipeline(TupleAcross(whole=True).double(), ["mid"], x)
+
+
+class EarlyRead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x * self.head.weight.norm()  # a read of the split point's weight, not its call
+        return self.head(self.body(x).relu())
+
+
+def test_a_parameter_read_does_not_begin_the_stage() -> None:
+    model = EarlyRead().double()
+    plain = twin(model)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    pipe = gpipe.pipeline(model, ["head"], x, chunks=2)
+    assert "body" in dict(pipe[0].named_children()) and "body" not in dict(pipe[1].named_children())
+    assert pipe[0].head.weight is pipe[1].head.weight is model.head.weight
+    out, ref = pipe(x), plain(x)
+    assert max_diff(out, ref) < TOL
+    out.sum().backward()
+    ref.sum().backward()
+    grads_equal(model, plain)
+    assert list(pipe.state_dict()) == list(model.state_dict())
