@@ -448,3 +448,32 @@ def test_a_parameter_read_does_not_begin_the_stage() -> None:
     ref.sum().backward()
     grads_equal(model, plain)
     assert list(pipe.state_dict()) == list(model.state_dict())
+
+
+class Reused(nn.Module):
+    """One submodule called in two stages (shared weights, ALBERT-style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.mid = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.mid(self.block(x).tanh())
+        h += x  # x carried from stage 0's input
+        return self.block(h)
+
+
+def test_a_submodule_called_in_two_stages_per_stage_checkpoint() -> None:
+    model = Reused().double()
+    plain = twin(model)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    pipe = gpipe.pipeline(model, ["mid"], x, chunks=3, checkpoint=["always", "never"],
+                          devices=["cpu", "cpu"])
+    assert pipe[0].block is pipe[1].block is model.block
+    assert len(list(pipe.parameters())) == 4
+    out, ref = pipe(x), plain(x)
+    assert max_diff(out, ref) < TOL
+    out.sum().backward()
+    ref.sum().backward()
+    grads_equal(model, plain)
+    assert list(pipe.state_dict()) == list(model.state_dict())
