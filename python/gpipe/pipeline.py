@@ -13,6 +13,7 @@ are the module's. See docs/pipeline.md.
 """
 import contextlib
 import difflib
+import dis
 import inspect
 import itertools
 import linecache
@@ -57,6 +58,25 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return not any(_is_ancestor(qualname, sp) for sp in self.split_points)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """``assert t <= block_size`` on a traced value becomes a ``torch._assert`` node
+        (fx's own ``trace_asserts`` does not know Python 3.11's bytecode); any other
+        ``bool()`` of a traced value is refused as fx refuses it."""
+        frame = inspect.currentframe()
+        caller = frame.f_back.f_back if frame and frame.f_back else None  # Proxy.__bool__'s
+        if caller is not None:
+            insts = list(dis.get_instructions(caller.f_code))
+            at = next((i for i, inst in enumerate(insts) if inst.offset == caller.f_lasti), None)
+            if (at is not None and at + 1 < len(insts)
+                    and insts[at].opname.startswith("POP_JUMP") and "IF_TRUE" in insts[at].opname
+                    and (insts[at + 1].opname == "LOAD_ASSERTION_ERROR"
+                         or insts[at + 1].argval == "AssertionError")):
+                where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+                self.create_proxy("call_function", torch._assert,
+                                  (obj, f"assertion failed at {where}"), {})
+                return True
+        return super().to_bool(obj)
 
 
 def _user_frame(tb: Any) -> Tuple[Optional[traceback.FrameSummary], Any]:
