@@ -68,6 +68,8 @@ class _Tracer(fx.Tracer):
         if caller is not None:
             insts = list(dis.get_instructions(caller.f_code))
             at = next((i for i, inst in enumerate(insts) if inst.offset == caller.f_lasti), None)
+            if at is not None and insts[at].opname == "TO_BOOL":  # Python 3.13 (untested)
+                at += 1
             if (at is not None and at + 1 < len(insts)
                     and insts[at].opname.startswith("POP_JUMP") and "IF_TRUE" in insts[at].opname
                     and (insts[at + 1].opname == "LOAD_ASSERTION_ERROR"
@@ -223,6 +225,8 @@ class _PipelinedPipe(Pipe):
         self._key_stages = key_stages
         self._register_state_dict_hook(_PipelinedPipe._module_keys)
         self._register_load_state_dict_pre_hook(_PipelinedPipe._stage_keys, with_module=True)
+        self.register_load_state_dict_post_hook(_PipelinedPipe._missing_as_module_keys)
+        self._load_prefix = ""
 
     def _inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Union[Tensor, Tuple[Tensor, ...]]:
         try:
@@ -293,12 +297,26 @@ class _PipelinedPipe(Pipe):
     def _stage_keys(self: "_PipelinedPipe", state_dict: Dict[str, Any], prefix: str,
                     *_: Any) -> None:
         """load_state_dict pre-hook: '<key>' -> '<stage>.<key>' for each stage holding it."""
+        self._load_prefix = prefix
         for key in [k for k in state_dict if k.startswith(prefix)]:
             rest = key[len(prefix):]
             if rest in self._key_stages:
                 value = state_dict.pop(key)
                 for stage in self._key_stages[rest]:
                     state_dict[f"{prefix}{stage}.{rest}"] = value
+
+
+    @staticmethod
+    def _missing_as_module_keys(self: "_PipelinedPipe", incompatible: Any) -> None:
+        """load_state_dict post-hook: missing keys named as the module names them."""
+        named = []
+        for key in incompatible.missing_keys:
+            stage, _, rest = key[len(self._load_prefix):].partition(".")
+            if key.startswith(self._load_prefix) and stage.isdigit() and rest in self._key_stages:
+                key = self._load_prefix + rest
+            if key not in named:
+                named.append(key)
+        incompatible.missing_keys[:] = named
 
 
 def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,

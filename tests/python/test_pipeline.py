@@ -175,6 +175,14 @@ def test_gpt_state_dict_keys_and_loading() -> None:
     pipe.load_state_dict(fresh.state_dict())  # strict
     assert max_diff(pipe(idx), fresh(idx)) < TOL
     assert torch.equal(model.blocks[2].attn.qkv.weight, fresh.blocks[2].attn.qkv.weight)
+    partial = fresh.state_dict()
+    del partial["tok.weight"], partial["lm_head.weight"], partial["ln_f.bias"]
+    result = pipe.load_state_dict(partial, strict=False)
+    assert sorted(result.missing_keys) == ["lm_head.weight", "ln_f.bias", "tok.weight"]
+    assert result.unexpected_keys == []
+    with pytest.raises(RuntimeError, match="Missing key") as info:
+        pipe.load_state_dict(partial)
+    assert '"ln_f.bias"' in str(info.value) and '"tok.weight"' in str(info.value)
 
 
 @pytest.mark.parametrize("batch_dim", [[0, None], {"attention_mask": None}])
