@@ -513,3 +513,33 @@ def test_a_submodule_called_in_two_stages_per_stage_checkpoint() -> None:
     ref.sum().backward()
     grads_equal(model, plain)
     assert list(pipe.state_dict()) == list(model.state_dict())
+
+
+def test_interleaved_schedule_four_stages_on_two_workers() -> None:
+    model = gpt()
+    plain = twin(model)
+    pipe = gpipe.pipeline(model, ["blocks.1", "blocks.2", "blocks.3"], idx_of(2), chunks=4,
+                          schedule="interleaved_1f1b", virtual_stages=2, devices=["cpu", "cpu"])
+    idx, target = idx_of(6), idx_of(6)
+
+    def loss_fn(logits: Tensor, tgt: Tensor) -> Tensor:
+        return F.cross_entropy(logits.reshape(-1, V), tgt.reshape(-1))
+
+    loss = pipe.train_step(idx, target, loss_fn)
+    ref = loss_fn(plain(idx), target)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < TOL
+    grads_equal(model, plain)
+
+
+class WithLoss(GPT):
+    def forward(self, idx: Tensor, targets: Tensor) -> tuple:  # type: ignore[override]
+        logits = GPT.forward(self, idx)
+        return logits, F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+
+
+def test_a_loss_inside_forward_is_refused_by_the_pipe() -> None:
+    idx, target = idx_of(4), idx_of(4)
+    pipe = gpipe.pipeline(WithLoss().double(), ["blocks.2"], (idx, target), chunks=2)
+    with pytest.raises(ValueError, match="0-dimensional"):
+        pipe(idx, target)
