@@ -228,6 +228,17 @@ class _PipelinedPipe(Pipe):
         self.register_load_state_dict_post_hook(_PipelinedPipe._missing_as_module_keys)
         self._load_prefix = ""
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # The output structure travels as pytree's JSON text (pickling a TreeSpec warns).
+        state = super().__getstate__()
+        state["_out_spec"] = pytree.treespec_dumps(self._out_spec)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        state["_out_spec"] = pytree.treespec_loads(state["_out_spec"])
+        super().__setstate__(state)
+
     def _inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Union[Tensor, Tuple[Tensor, ...]]:
         try:
             bound = self._signature.bind(*args, **kwargs)

@@ -373,6 +373,10 @@ def test_pickle_round_trip() -> None:
     idx = idx_of(3)
     assert max_diff(pipe(idx), model(idx)) < TOL
     assert pipe[0].tok.weight is pipe[2].lm_head.weight
+    import copy
+    dict_pipe = gpipe.pipeline(FunctionalHead().double(), ["mid"], idx_of(2))
+    out, ref = copy.deepcopy(dict_pipe)(idx), dict_pipe(idx)
+    assert out.keys() == ref.keys() and max_diff(out["logits"], ref["logits"]) < TOL
 
 
 def test_train_step_with_keyword_mask_and_schedules() -> None:
