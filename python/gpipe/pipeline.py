@@ -332,7 +332,7 @@ class _PipelinedPipe(Pipe):
 
 def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
              example_args: Any = (), example_kwargs: Optional[Dict[str, Any]] = None, *,
-             stages: Optional[int] = None, **pipe_options: Any) -> Pipe:
+             stages: Optional[int] = None, tracer: str = "fx", **pipe_options: Any) -> Pipe:
     """Cuts ``module`` into stages that begin at ``split_points`` and returns a
     :class:`gpipe.Pipe` over them, called like ``module``.
 
@@ -350,6 +350,11 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
             module's own forward calls (``tok``, ``blocks.0``, ... ``lm_head``) are balanced
             by parameter count (:func:`gpipe.balance.balance_cost`; a tied parameter counts
             once, at its first use) and the stages begin at the chosen ones.
+        tracer: ``"fx"`` (default): torch.fx, entering only the submodules that hold a
+            split point; ``"export"`` (experimental): torch.export with the batch dim of
+            every input dynamic (``torch.export.Dim``), entering every submodule; the stages
+            then run aten ops and hold the exported module's parameters (the module's own
+            objects) under the module's names. Every argument given must be a tensor.
         **pipe_options: :class:`gpipe.Pipe`'s own options (``chunks``, ``devices``,
             ``checkpoint``, ``schedule``, ``batch_dim``, ...), except ``balance`` (one stage
             per layer). ``batch_dim`` may also be a dict from the forward's parameter names
@@ -424,36 +429,42 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
         raise ValueError("example_args and example_kwargs give no tensor; the Pipe needs at "
                          "least one tensor input to cut into micro-batches")
 
-    graph = _trace(module, split_points, concrete)
-    # Drop the specialised parameters: fx keeps a placeholder for each (in signature order)
-    # and checks on it (``eq`` then ``_assert``); the values are baked into the graph.
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    params = list(signature.parameters)
-    if len(placeholders) != len(params):
-        raise PipelineError(f"the trace of {type(module).__name__}.forward has "
-                            f"{len(placeholders)} inputs for {len(params)} parameters; "
-                            f"gpipe.pipeline cannot tell which is which")
-    checks = (operator.eq, torch._assert, getattr(fx._symbolic_trace, "_assert_is_none", None))
-    order: List[fx.Node] = []
-    for name, node in zip(params, placeholders):
-        if name in names:
-            order.append(node)
-            continue
-        doomed, todo = [], [node]
-        while todo:
-            n = todo.pop()
-            doomed.append(n)
-            for user in n.users:
-                if user.op != "call_function" or user.target not in checks:
-                    raise PipelineError(f"argument {name!r} was fixed at its example value "
-                                        f"({concrete[name]!r}) but {user.format_node()} uses "
-                                        f"it; pass it as a tensor, or use it only in Python "
-                                        f"control flow")
-                todo.append(user)
-        for n in sorted(set(doomed), key=lambda n: -list(graph.nodes).index(n)):
-            graph.erase_node(n)
+    root = module  # what the stages take their submodules and parameters from
+    if tracer == "export":
+        root, graph, order = _export(module, bound, names, concrete, pipe_options)
+    elif tracer == "fx":
+        graph = _trace(module, split_points, concrete)
+        # Drop the specialised parameters: fx keeps a placeholder for each (in signature order)
+        # and checks on it (``eq`` then ``_assert``); the values are baked into the graph.
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        params = list(signature.parameters)
+        if len(placeholders) != len(params):
+            raise PipelineError(f"the trace of {type(module).__name__}.forward has "
+                                f"{len(placeholders)} inputs for {len(params)} parameters; "
+                                f"gpipe.pipeline cannot tell which is which")
+        checks = (operator.eq, torch._assert, getattr(fx._symbolic_trace, "_assert_is_none", None))
+        order: List[fx.Node] = []
+        for name, node in zip(params, placeholders):
+            if name in names:
+                order.append(node)
+                continue
+            doomed, todo = [], [node]
+            while todo:
+                n = todo.pop()
+                doomed.append(n)
+                for user in n.users:
+                    if user.op != "call_function" or user.target not in checks:
+                        raise PipelineError(f"argument {name!r} was fixed at its example value "
+                                            f"({concrete[name]!r}) but {user.format_node()} uses "
+                                            f"it; pass it as a tensor, or use it only in Python "
+                                            f"control flow")
+                    todo.append(user)
+            for n in sorted(set(doomed), key=lambda n: -list(graph.nodes).index(n)):
+                graph.erase_node(n)
+    else:
+        raise ValueError(f"tracer must be 'fx' or 'export', got {tracer!r}")
 
-    values = _record_values(module, graph, [bound.arguments[n] for n in names])
+    values = _record_values(root, graph, [bound.arguments[n] for n in names])
     nodes = [n for n in graph.nodes if n.op != "output"]
     index = {n: i for i, n in enumerate(nodes)}
     output = next(n for n in graph.nodes if n.op == "output")
@@ -523,6 +534,9 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
         for a in n.all_input_nodes:
             need(a, stage_of[n], n.name)
     out_flat, out_spec = pytree.tree_flatten(output.args[0])
+    info = getattr(graph._codegen, "pytree_info", None)  # torch.export: flat outputs, a spec
+    if tracer == "export" and info is not None and info.out_spec is not None:
+        out_flat, out_spec = list(output.args[0]), info.out_spec
     out_nodes = [x for x in out_flat if isinstance(x, fx.Node)]
     for x in out_nodes:
         if not isinstance(values.get(x), Tensor):
@@ -559,8 +573,8 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
         else:
             result = [env[a] for a in hand[k]]
         g.output(result[0] if len(result) == 1 else tuple(result))
-        gm = _Stage(module, g, class_name=f"Stage{k}")
-        _keep_persistence(module, gm)
+        gm = _Stage(root, g, class_name=f"Stage{k}")
+        _keep_persistence(root, gm)
         stages.append(gm)
 
     # Parameters and buffers no stage uses still belong to the module's state_dict.
@@ -568,7 +582,7 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
     held = {key for st in stages for key in st.state_dict().keys()}
     for key in key_order:
         if key not in held:
-            _attach(module, stages[0], key)
+            _attach(root, stages[0], key)
     key_stages: Dict[str, List[int]] = {}
     for k, st in enumerate(stages):
         for key in st.state_dict().keys():
@@ -585,6 +599,56 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
         options["batch_dim"] = dims if len(dims) > 1 else dims[0]
     return _PipelinedPipe(nn.Sequential(*stages), names, concrete, signature, out_spec, out_constants,
                           key_order, key_stages, **options)
+
+
+def _export(module: nn.Module, bound: inspect.BoundArguments, names: List[str],
+            concrete: Dict[str, Any], pipe_options: Dict[str, Any]
+            ) -> Tuple[nn.Module, fx.Graph, List[fx.Node]]:
+    """torch.export's graph of ``module`` (parameters as get_attr nodes of the unlifted
+    module, which holds the module's own parameters), with the batch dim of every input
+    dynamic, and the placeholders in ``names`` order."""
+    given = [n for n in bound.arguments if n not in names]
+    if given:
+        raise ValueError(f"tracer='export' takes tensor arguments only, got {given} as "
+                         f"non-tensors; leave them at their defaults or use tracer='fx'")
+    bd = pipe_options.get("batch_dim", 0)
+    if isinstance(bd, dict):
+        dims = [bd.get(n, 0) for n in names]
+    elif isinstance(bd, (list, tuple)):
+        dims = list(bd)
+    else:
+        dims = [bd] * len(names)
+    if len(dims) != len(names):
+        raise ValueError(f"batch_dim {bd!r} has {len(dims)} entries for the inputs {names}")
+    batch = torch.export.Dim("batch")
+    shapes = {n: (None if d is None else {d % bound.arguments[n].dim(): batch})
+              for n, d in zip(names, dims)}
+    try:
+        ep = torch.export.export(module, tuple(bound.args), dict(bound.kwargs),
+                                 dynamic_shapes=shapes)
+    except Exception as exc:
+        frame, owner = _user_frame(exc.__traceback__)
+        where = ""
+        if frame is not None:
+            line = linecache.getline(frame.filename, frame.lineno).strip()
+            func = f"{type(owner).__name__}.{frame.name}" if isinstance(owner, nn.Module) \
+                else frame.name
+            where = f" at {frame.filename}:{frame.lineno} in {func}: `{line}`"
+        raise PipelineError(
+            f"gpipe.pipeline could not export {type(module).__name__} with torch.export"
+            f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
+            f"Python control flow on tensor values cannot be exported into a graph; use "
+            f"tracer='fx', which calls the submodules that hold no split point without tracing "
+            f"them, with that code moved into such a submodule, or write the model as an "
+            f"nn.Sequential and use gpipe.Pipe directly") from exc
+    gm = ep.module()
+    graph = gm.graph
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    missing = [n for n in names if n not in placeholders]
+    if missing:
+        raise PipelineError(f"torch.export's graph has no input named {missing} (it has "
+                            f"{list(placeholders)}); use tracer='fx'")
+    return gm, graph, [placeholders[n] for n in names]
 
 
 def _balanced_split_points(module: nn.Module, stages: Any, example_args: Any,

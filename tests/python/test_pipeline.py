@@ -547,3 +547,53 @@ def test_a_loss_inside_forward_is_refused_by_the_pipe() -> None:
     pipe = gpipe.pipeline(WithLoss().double(), ["blocks.2"], (idx, target), chunks=2)
     with pytest.raises(ValueError, match="0-dimensional"):
         pipe(idx, target)
+
+
+# tracer="export": torch.export with a dynamic batch Dim instead of torch.fx.
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_export_gpt_outputs_grads_state_dict_tie(checkpoint: str, chunks: int,
+                                                 with_mask: bool) -> None:
+    model = gpt()
+    plain = twin(model)
+    mask = causal()
+    kwargs = {"attention_mask": mask} if with_mask else {}
+    pipe = gpipe.pipeline(model, ["blocks.1", "blocks.3"], (idx_of(2),), kwargs,
+                          tracer="export", chunks=chunks, checkpoint=checkpoint,
+                          batch_dim={"attention_mask": None} if with_mask else 0)
+    assert len(pipe) == 3
+    assert pipe[0].tok.weight is pipe[2].lm_head.weight is model.tok.weight
+    assert {id(p) for p in pipe.parameters()} == {id(p) for p in model.parameters()}
+    assert list(pipe.state_dict()) == list(model.state_dict())
+    for rows in (7, 1):  # uneven micro-batches; one row
+        idx = idx_of(rows)
+        out, ref = pipe(idx, **kwargs), plain(idx, **kwargs)
+        assert max_diff(out, ref) < TOL
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    grads_equal(model, plain)
+
+
+def test_export_unet_and_train_step() -> None:
+    model = UNet().double()
+    plain = twin(model)
+    x, y = torch.randn(5, 2, 8, dtype=torch.float64), torch.randn(5, 2, 8, dtype=torch.float64)
+    pipe = gpipe.pipeline(model, ["enc2", "mid", "dec1"], torch.randn(2, 2, 8).double(),
+                          tracer="export", chunks=3)
+    assert max_diff(pipe(x), plain(x)) < TOL
+    loss = pipe.train_step(x, y, F.mse_loss)
+    ref = F.mse_loss(plain(x), y)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < TOL
+    grads_equal(model, plain)
+
+
+def test_export_untraceable_names_the_line() -> None:
+    with pytest.raises(RuntimeError) as info:
+        gpipe.pipeline(DataDependent(), ["b"], torch.randn(2, 3), tracer="export")
+    text = str(info.value)
+    assert "if h.sum() > 0:" in text and "DataDependent.forward" in text
+    assert "nn.Sequential" in text and "tracer='fx'" in text
