@@ -271,7 +271,9 @@ class DataDependent(nn.Module):
 
 
 def test_untraceable_names_the_line_and_the_fallback() -> None:
-    with pytest.raises(RuntimeError) as info:
+    from gpipe.pipeline import PipelineError
+    assert issubclass(PipelineError, RuntimeError)
+    with pytest.raises(PipelineError) as info:
         gpipe.pipeline(DataDependent(), ["b"], torch.randn(2, 3))
     text = str(info.value)
     assert "if h.sum() > 0:" in text and "test_pipeline.py:" in text
