@@ -599,3 +599,120 @@ def test_export_untraceable_names_the_line() -> None:
     text = str(info.value)
     assert "if h.sum() > 0:" in text and "DataDependent.forward" in text
     assert "nn.Sequential" in text and "tracer='fx'" in text
+
+
+# nanoGPT's model (Karpathy's model.py, trimmed: no init, no generate), compiled from this
+# string so that pytest does not rewrite its assert: written the usual way, with a ModuleDict,
+# a causal-mask buffer, dropout, an assert on a traced size and (logits, None) returned.
+_NANOGPT = '''
+import math
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head, block_size):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.attn_dropout = nn.Dropout(0.0)
+        self.resid_dropout = nn.Dropout(0.0)
+        self.n_head, self.n_embd = n_head, n_embd
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size))
+                                        .view(1, 1, block_size, block_size))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float('-inf'))
+        att = self.attn_dropout(F.softmax(att, dim=-1))
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+class MLP(nn.Module):
+    def __init__(self, n_embd):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+class Block(nn.Module):
+    def __init__(self, n_embd, n_head, block_size):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, block_size)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+class NanoGPT(nn.Module):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd):
+        super().__init__()
+        self.block_size = block_size
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, n_embd),
+            wpe=nn.Embedding(block_size, n_embd),
+            drop=nn.Dropout(0.0),
+            h=nn.ModuleList([Block(n_embd, n_head, block_size) for _ in range(n_layer)]),
+            ln_f=nn.LayerNorm(n_embd),
+        ))
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx, targets=None):
+        device = idx.device
+        b, t = idx.size()
+        assert t <= self.block_size, f"Cannot forward sequence of length {t}"
+        pos = torch.arange(0, t, dtype=torch.long, device=device)
+        tok_emb = self.transformer.wte(idx)
+        pos_emb = self.transformer.wpe(pos)
+        x = self.transformer.drop(tok_emb + pos_emb)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        else:
+            logits = self.lm_head(x)
+            loss = None
+        return logits, loss
+'''
+
+
+def nanogpt() -> nn.Module:
+    scope: dict = {}
+    exec(compile(_NANOGPT, "nanogpt_model.py", "exec"), scope)
+    return scope["NanoGPT"](V, T, 4, H, C).double()
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_nanogpt(tracer: str) -> None:
+    model = nanogpt()
+    plain = twin(model)
+    pipe = gpipe.pipeline(model, ["transformer.h.1", "transformer.h.3"], idx_of(2),
+                          tracer=tracer, chunks=4)
+    assert pipe[0].transformer.wte.weight is pipe[2].lm_head.weight is model.lm_head.weight
+    assert list(pipe.state_dict()) == list(model.state_dict())
+    idx = idx_of(7)
+    (logits, loss), (ref, ref_loss) = pipe(idx), plain(idx)
+    assert loss is None and ref_loss is None
+    assert max_diff(logits, ref) < TOL
+    w = torch.randn_like(logits)
+    (logits * w).sum().backward()
+    (ref * w).sum().backward()
+    grads_equal(model, plain)
+    if tracer == "fx":  # the assert is traced; export checks sizes against its own guards
+        with pytest.raises(AssertionError, match="nanogpt_model.py:70"):
+            pipe(torch.randint(0, V, (2, T + 1)))
