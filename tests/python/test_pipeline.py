@@ -716,3 +716,28 @@ def test_nanogpt(tracer: str) -> None:
     if tracer == "fx":  # the assert is traced; export checks sizes against its own guards
         with pytest.raises(AssertionError, match="nanogpt_model.py:70"):
             pipe(torch.randint(0, V, (2, T + 1)))
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+        self.c = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c(self.a(x))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_batchnorm_running_statistics_one_chunk(tracer: str) -> None:
+    # One micro-batch: BatchNorm sees the whole batch, as in the plain model (with more,
+    # each micro-batch is normalised by its own statistics, as in any Pipe).
+    model = WithBatchNorm().double()
+    plain = twin(model)
+    x = torch.randn(8, 3, dtype=torch.float64)
+    pipe = gpipe.pipeline(model, ["c"], x, tracer=tracer, chunks=1)
+    assert int(model.a[1].num_batches_tracked) == 0  # building ran the example, then restored
+    assert max_diff(pipe(x), plain(x)) < TOL
+    assert max_diff(model.a[1].running_mean, plain.a[1].running_mean) < TOL
+    assert max_diff(model.a[1].running_var, plain.a[1].running_var) < TOL
+    assert int(model.a[1].num_batches_tracked) == 1
