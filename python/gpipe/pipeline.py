@@ -516,6 +516,9 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
     remat: List[Set[fx.Node]] = [set() for _ in range(n_stages)]
 
     def need(a: fx.Node, t: int, user: str) -> None:
+        if a.op == "get_attr":  # fetched in every stage that uses it, and only there
+            remat[t].add(a)
+            return
         if stage_of[a] == t or a in remat[t] or a in ext[t]:
             return
         if recomputed(a):
@@ -564,8 +567,11 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
             x = g.placeholder("input")
             for i, a in enumerate(incoming):
                 env[a] = g.call_function(operator.getitem, (x, i))
+        # A parameter is read only where used: torch.export reads them all at the start,
+        # and a stage holding parameters it does not use would tie them across devices.
         body = sorted((n for n in nodes if n.op != "placeholder"
-                       and (stage_of[n] == k or n in remat[k])), key=index.__getitem__)
+                       and ((stage_of[n] == k and n.op != "get_attr") or n in remat[k])),
+                      key=index.__getitem__)
         for n in body:
             env[n] = g.node_copy(n, lambda a: env[a])
         if k == n_stages - 1:

@@ -568,6 +568,11 @@ def test_export_gpt_outputs_grads_state_dict_tie(checkpoint: str, chunks: int,
     assert len(pipe) == 3
     assert pipe[0].tok.weight is pipe[2].lm_head.weight is model.tok.weight
     assert {id(p) for p in pipe.parameters()} == {id(p) for p in model.parameters()}
+    # Each stage holds only the parameters it uses (export reads them all up front; it reads
+    # the tied embedding as "lm_head.weight").
+    assert not [k for k in pipe[0].state_dict()
+                if not k.startswith(("tok.", "pos.", "blocks.0.", "lm_head.weight"))]
+    assert sorted({k.split(".")[0] for k in pipe[2].state_dict()}) == ["blocks", "lm_head", "ln_f"]
     assert list(pipe.state_dict()) == list(model.state_dict())
     for rows in (7, 1):  # uneven micro-batches; one row
         idx = idx_of(rows)
