@@ -13,13 +13,14 @@ from gpipe import balance, skip
 from gpipe.pipe import GPipe, Pipe, is_checkpointing, is_recomputing
 from gpipe.schedule import Schedule
 from gpipe import distributed
+from gpipe.pipeline import pipeline
 from gpipe.torchgpipe_compat import convert_torchgpipe_state_dict, load_torchgpipe_state_dict
 from gpipe.trace import Trace, TraceEvent, TraceSummary, plot_timeline, tracing
 
 __all__ = [
     "Pipe", "GPipe", "Schedule", "Trace", "TraceEvent", "TraceSummary", "balance", "is_checkpointing",
     "is_recomputing", "plot_timeline", "tracing", "convert_torchgpipe_state_dict",
-    "load_torchgpipe_state_dict", "skip", "distributed",
+    "load_torchgpipe_state_dict", "skip", "distributed", "pipeline",
 ]
 __version__ = "0.1.0"
 

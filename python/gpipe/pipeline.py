@@ -1,0 +1,717 @@
+"""gpipe.pipeline: cut any torch.fx-traceable nn.Module into stages at named submodules, as a Pipe.
+
+The module's ``forward`` is traced with ``torch.fx`` (submodules that hold no split point
+are called, not traced), the graph is cut where each split point's submodule is first
+used, and every value that crosses a cut is routed: tensors ride in the hand-off tuple
+(carried through the stages in between when a later stage needs them), parameters and
+buffers are fetched again where they are used (the same objects, so tied weights stay
+tied), and values holding no tensor (sizes, ints) are recomputed in the stage that needs
+them. The stages are ``torch.fx.GraphModule``s that hold the module's own submodules and
+parameters under their own dotted names; the result is a :class:`gpipe.Pipe` over them,
+called like the module (``pipe(idx, attention_mask=mask)``), whose ``state_dict()`` keys
+are the module's. See docs/pipeline.md.
+"""
+import contextlib
+import difflib
+import dis
+import inspect
+import itertools
+import linecache
+import operator
+import os
+import traceback
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from gpipe.balance import balance_cost
+from gpipe.pipe import Pipe
+
+__all__ = ["pipeline", "PipelineError"]
+
+
+class PipelineError(RuntimeError):
+    """gpipe.pipeline could not cut the module: the message names the construct (with its
+    source line where known) and the fallback."""
+
+
+_FALLBACK = ("gpipe.pipeline calls a submodule that contains no split point without tracing "
+             "it, so move that code into such a submodule (keep the region inside one "
+             "stage), or write the model as an nn.Sequential and use gpipe.Pipe directly")
+
+
+def _is_ancestor(name: str, of: str) -> bool:
+    """Whether submodule ``name`` strictly contains ``of`` ('' is the root)."""
+    return name == "" or of.startswith(name + ".")
+
+
+class _Tracer(fx.Tracer):
+    """Traces only the modules that contain a split point; every other submodule is one
+    call_module node (a leaf), run as written: its own control flow is never traced."""
+
+    def __init__(self, split_points: Sequence[str]) -> None:
+        super().__init__()
+        self.split_points = list(split_points)
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return not any(_is_ancestor(qualname, sp) for sp in self.split_points)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """``assert t <= block_size`` on a traced value becomes a ``torch._assert`` node
+        (fx's own ``trace_asserts`` does not know Python 3.11's bytecode); any other
+        ``bool()`` of a traced value is refused as fx refuses it."""
+        frame = inspect.currentframe()
+        caller = frame.f_back.f_back if frame and frame.f_back else None  # Proxy.__bool__'s
+        if caller is not None:
+            insts = list(dis.get_instructions(caller.f_code))
+            at = next((i for i, inst in enumerate(insts) if inst.offset == caller.f_lasti), None)
+            if at is not None and insts[at].opname == "TO_BOOL":  # Python 3.13 (untested)
+                at += 1
+            if (at is not None and at + 1 < len(insts)
+                    and insts[at].opname.startswith("POP_JUMP") and "IF_TRUE" in insts[at].opname
+                    and (insts[at + 1].opname == "LOAD_ASSERTION_ERROR"
+                         or insts[at + 1].argval == "AssertionError")):
+                where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+                self.create_proxy("call_function", torch._assert,
+                                  (obj, f"assertion failed at {where}"), {})
+                return True
+        return super().to_bool(obj)
+
+
+def _user_frame(tb: Any) -> Tuple[Optional[traceback.FrameSummary], Any]:
+    """The innermost frame of the traceback outside torch (where the user's code failed),
+    and its ``self`` (the module whose forward it is), if any."""
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.abspath(__file__)
+    found, owner = None, None
+    while tb is not None:
+        frame = tb.tb_frame
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(torch_dir) and path != here and not path.startswith("<"):
+            found = traceback.FrameSummary(frame.f_code.co_filename, tb.tb_lineno,
+                                           frame.f_code.co_name)
+            owner = frame.f_locals.get("self")
+        tb = tb.tb_next
+    return found, owner
+
+
+#: torch factories whose sizes may be traced values (``torch.ones(t, t)`` with ``t`` from
+#: ``x.size()``): torch.fx records them only when a tensor argument is a Proxy, so
+#: :func:`_trace` diverts them to the graph while it traces.
+_FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint", "eye", "arange",
+              "tril_indices", "triu_indices")
+
+
+def _traced_factory(fn: Callable) -> Callable:
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        for a in pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, fx.Proxy):
+                return a.tracer.create_proxy("call_function", fn, args, kwargs)
+        return fn(*args, **kwargs)
+    factory.__wrapped__ = fn  # type: ignore[attr-defined]
+    return factory
+
+
+@contextlib.contextmanager
+def _factories_traced() -> Iterator[None]:
+    """While tracing, torch's factories record themselves when given traced sizes. Other
+    threads see the patch too, but it changes only calls given a Proxy."""
+    originals = {name: getattr(torch, name) for name in _FACTORIES}
+    try:
+        for name, fn in originals.items():
+            setattr(torch, name, _traced_factory(fn))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch, name, fn)
+
+
+class _Stage(fx.GraphModule):
+    """One stage: a GraphModule holding the module's own submodules and parameters under
+    their dotted names. Unpickling retraces the generated code, with torch's factories
+    traced as when it was made."""
+
+    def __reduce__(self) -> Any:
+        rebuild, args = super().__reduce__()
+        return (_unpickle_stage, (rebuild, args))
+
+
+def _unpickle_stage(rebuild: Callable, args: Any) -> nn.Module:
+    with _factories_traced():
+        gm = rebuild(*args)
+    return _Stage(gm, gm.graph, class_name=type(gm).__name__)
+
+
+def _trace(module: nn.Module, split_points: Sequence[str],
+           concrete: Dict[str, Any]) -> fx.Graph:
+    tracer = _Tracer(split_points)
+    try:
+        with _factories_traced():
+            return tracer.trace(module, concrete_args=concrete or None)
+    except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError... from user code
+        frame, owner = _user_frame(exc.__traceback__)
+        where, why = "", ""
+        if frame is not None:
+            line = linecache.getline(frame.filename, frame.lineno).strip()
+            func = frame.name
+            if isinstance(owner, nn.Module):
+                func = f"{type(owner).__name__}.{func}"
+                name = next((n for n, m in module.named_modules() if m is owner), None)
+                inner = [sp for sp in split_points if name and _is_ancestor(name, sp)]
+                if inner:
+                    why = (f" ({name!r} is traced because it contains the split point(s) "
+                           f"{inner})")
+            where = f" at {frame.filename}:{frame.lineno} in {func}: `{line}`{why}"
+        raise PipelineError(
+            f"gpipe.pipeline could not trace {type(module).__name__} with torch.fx{where}: "
+            f"{type(exc).__name__}: {exc}. Python control flow on tensor values (if, while, "
+            f"bool(), .item(), iterating a tensor) cannot be traced into a graph; {_FALLBACK}"
+        ) from exc
+
+
+def _leaves_have_tensor(value: Any) -> bool:
+    return any(isinstance(v, Tensor) for v in pytree.tree_leaves(value))
+
+
+def _record_values(module: nn.Module, graph: fx.Graph, inputs: List[Any]) -> Dict[fx.Node, Any]:
+    """Runs the traced graph once on the example (RNG state and buffers restored after), to
+    learn which nodes hold tensors."""
+    values: Dict[fx.Node, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            values[n] = out
+            return out
+
+    gm = fx.GraphModule(module, graph)
+    saved = {name: b.detach().clone() for name, b in module.named_buffers()}
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            Recorder(gm).run(*inputs)
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                b.copy_(saved[name])
+    return values
+
+
+def _owner(module: nn.Module, dotted: str) -> Tuple[nn.Module, str]:
+    *path, field = dotted.split(".")
+    for item in path:
+        module = getattr(module, item)
+    return module, field
+
+
+class _PipelinedPipe(Pipe):
+    """A :class:`gpipe.Pipe` over the stages of a traced module, called like that module
+    (``pipe(*args, **kwargs)``), with the module's ``state_dict()`` keys."""
+
+    def __init__(self, stages: nn.Sequential, names: List[str], fixed: Dict[str, Any],
+                 signature: inspect.Signature,
+                 out_spec: Any, out_constants: List[Any], key_order: List[str],
+                 key_stages: Dict[str, List[int]], **options: Any) -> None:
+        super().__init__(stages, balance=[1] * len(stages), **options)
+        #: The forward's parameters the trace took as inputs, in the Pipe's input order.
+        self.input_names = names
+        self._fixed = fixed
+        self._signature = signature
+        self._out_spec = out_spec
+        self._out_constants = out_constants
+        self._key_order = key_order
+        self._key_stages = key_stages
+        self._register_state_dict_hook(_PipelinedPipe._module_keys)
+        self._register_load_state_dict_pre_hook(_PipelinedPipe._stage_keys, with_module=True)
+        self.register_load_state_dict_post_hook(_PipelinedPipe._missing_as_module_keys)
+        self._load_prefix = ""
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # The output structure travels as pytree's JSON text (pickling a TreeSpec warns).
+        state = super().__getstate__()
+        state["_out_spec"] = pytree.treespec_dumps(self._out_spec)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        state["_out_spec"] = pytree.treespec_loads(state["_out_spec"])
+        super().__setstate__(state)
+
+    def _inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Union[Tensor, Tuple[Tensor, ...]]:
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"the pipelined module is called as its forward{self._signature}: "
+                            f"{exc}") from None
+        missing = [n for n in self.input_names if n not in bound.arguments]
+        if missing:
+            raise TypeError(f"this pipeline was traced with the tensor arguments "
+                            f"{self.input_names} but was called without {missing}; pass them, "
+                            f"or call gpipe.pipeline again with examples of the arguments you "
+                            f"want to pass")
+        for name, fixed in self._fixed.items():
+            value = bound.arguments.get(name, self._signature.parameters[name].default)
+            same = value is fixed
+            if not same and not isinstance(value, Tensor) and not isinstance(fixed, Tensor):
+                try:
+                    same = bool(value == fixed)
+                except Exception:
+                    same = False
+            if not same:
+                raise TypeError(f"this pipeline was traced with {name}={fixed!r} (fixed: not a "
+                                f"tensor in the examples) but was called with {name}={value!r}; "
+                                f"call gpipe.pipeline again with that value, or with a tensor "
+                                f"example to make it an input")
+        values = [bound.arguments[n] for n in self.input_names]
+        return values[0] if len(values) == 1 else tuple(values)
+
+    def _outputs(self, out: Any) -> Any:
+        flat = list(out) if isinstance(out, tuple) else [out]
+        it = iter(flat)
+        leaves = [next(it) if c is None else c[0] for c in self._out_constants]
+        return pytree.tree_unflatten(leaves, self._out_spec)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Runs the pipeline on the module's own arguments (positional or keyword, as its
+        forward takes them) and returns what the module's forward returns."""
+        return self._outputs(super().forward(self._inputs(args, kwargs)))
+
+    def train_step(self, input: Any, target: Any,  # type: ignore[override]
+                   loss_fn: Callable[[Any, Any], Tensor],
+                   kwargs: Optional[Dict[str, Any]] = None) -> Tensor:
+        """:meth:`gpipe.Pipe.train_step` with the module's arguments: ``input`` is its one
+        positional tensor or a tuple of its positional arguments, ``kwargs`` its keyword
+        arguments; ``loss_fn`` gets one micro-batch's output as the module returns it."""
+        args = input if isinstance(input, tuple) else (input,)
+        packed = self._inputs(args, kwargs or {})
+        return super().train_step(packed, target,
+                                  lambda out, tgt: loss_fn(self._outputs(out), tgt))
+
+    @staticmethod
+    def _module_keys(self: "_PipelinedPipe", state_dict: Dict[str, Any], prefix: str,
+                     local_metadata: Any) -> None:
+        """state_dict hook: '<stage>.<key>' -> '<key>', in the module's key order."""
+        mine = {}
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            stage, _, rest = key[len(prefix):].partition(".")
+            if stage.isdigit() and rest in self._key_stages:
+                mine[rest] = state_dict.pop(key)
+        for rest in self._key_order:
+            if rest in mine:
+                state_dict[prefix + rest] = mine.pop(rest)
+        for rest, value in mine.items():
+            state_dict[prefix + rest] = value
+
+    @staticmethod
+    def _stage_keys(self: "_PipelinedPipe", state_dict: Dict[str, Any], prefix: str,
+                    *_: Any) -> None:
+        """load_state_dict pre-hook: '<key>' -> '<stage>.<key>' for each stage holding it."""
+        self._load_prefix = prefix
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            rest = key[len(prefix):]
+            if rest in self._key_stages:
+                value = state_dict.pop(key)
+                for stage in self._key_stages[rest]:
+                    state_dict[f"{prefix}{stage}.{rest}"] = value
+
+
+    @staticmethod
+    def _missing_as_module_keys(self: "_PipelinedPipe", incompatible: Any) -> None:
+        """load_state_dict post-hook: missing keys named as the module names them."""
+        named = []
+        for key in incompatible.missing_keys:
+            stage, _, rest = key[len(self._load_prefix):].partition(".")
+            if key.startswith(self._load_prefix) and stage.isdigit() and rest in self._key_stages:
+                key = self._load_prefix + rest
+            if key not in named:
+                named.append(key)
+        incompatible.missing_keys[:] = named
+
+
+def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
+             example_args: Any = (), example_kwargs: Optional[Dict[str, Any]] = None, *,
+             stages: Optional[int] = None, tracer: str = "fx", **pipe_options: Any) -> Pipe:
+    """Cuts ``module`` into stages that begin at ``split_points`` and returns a
+    :class:`gpipe.Pipe` over them, called like ``module``.
+
+    Args:
+        module: any ``nn.Module`` whose forward torch.fx can trace (see below).
+        split_points: names of submodules (``module.named_modules()`` names, e.g.
+            ``["blocks.2", "blocks.4"]``) at whose first use a stage begins, as
+            torch.distributed.pipelining's ``SplitPoint.BEGINNING``: K names give K+1
+            stages. The stages' order is the order the forward uses them in.
+        example_args: the forward's positional arguments (a tuple, or one tensor), used to
+            choose which parameters become the Pipe's inputs and which values are tensors.
+            Their sizes are not fixed: any batch size works later.
+        example_kwargs: the forward's keyword arguments, as ``example_args``.
+        stages: instead of ``split_points``, the number of stages: the submodules the
+            module's own forward calls (``tok``, ``blocks.0``, ... ``lm_head``) are balanced
+            by parameter count (:func:`gpipe.balance.balance_cost`; a tied parameter counts
+            once, at its first use) and the stages begin at the chosen ones.
+        tracer: ``"fx"`` (default): torch.fx, entering only the submodules that hold a
+            split point; ``"export"`` (experimental): torch.export with the batch dim of
+            every input dynamic (``torch.export.Dim``), entering every submodule; the stages
+            then run aten ops and hold the exported module's parameters (the module's own
+            objects) under the module's names. Every argument given must be a tensor.
+        **pipe_options: :class:`gpipe.Pipe`'s own options (``chunks``, ``devices``,
+            ``checkpoint``, ``schedule``, ``batch_dim``, ...), except ``balance`` (one stage
+            per layer). ``batch_dim`` may also be a dict from the forward's parameter names
+            to a dim or None (a value not cut, e.g. ``{"attention_mask": None}``); unnamed
+            inputs are cut along dim 0.
+
+    The Pipe's inputs are the forward's parameters given as tensors in the examples, in the
+    order of the forward's signature (a list ``batch_dim`` follows that order); parameters
+    not given keep their defaults, and non-tensor arguments given are fixed at their example
+    values (the trace specialises on them). Call the pipe with the same set of arguments.
+
+    Only submodules that contain a split point (and the module itself) are traced; every
+    other submodule is called as written, so its own control flow needs no tracing.
+
+    Raises:
+        PipelineError: the forward cannot be traced (the message names the construct and
+            its source line, and the fallbacks), or a value crossing a cut cannot be routed.
+        ValueError: a split point that is not a submodule, or is never used; ``balance``
+            given.
+    """
+    if stages is not None:
+        if split_points is not None:
+            raise ValueError(f"pass split_points or stages, not both (got split_points="
+                             f"{split_points!r}, stages={stages!r})")
+        split_points = _balanced_split_points(module, stages, example_args, example_kwargs)
+    elif split_points is None:
+        raise ValueError("pass split_points (submodule names where stages begin) or stages "
+                         "(a number of stages to balance by parameter count)")
+    known = set(inspect.signature(Pipe.__init__).parameters) - {"self", "module"}
+    unknown = sorted(set(pipe_options) - known)
+    if unknown:
+        raise TypeError(f"gpipe.pipeline got {unknown}, which are not gpipe.Pipe options "
+                        f"({sorted(known - {'balance'})}); the module's own keyword arguments "
+                        f"go in example_kwargs, e.g. example_kwargs={{{unknown[0]!r}: ...}}")
+    if "balance" in pipe_options:
+        raise ValueError(f"gpipe.pipeline makes one stage per split, so balance="
+                         f"{pipe_options['balance']!r} does not apply; choose the stages with "
+                         f"split_points")
+    if isinstance(split_points, str):
+        split_points = [split_points]
+    split_points = list(split_points)
+    modules = dict(module.named_modules())
+    for sp in split_points:
+        if not isinstance(sp, str) or sp not in modules or sp == "":
+            close = difflib.get_close_matches(str(sp), [n for n in modules if n], n=3)
+            raise ValueError(f"split point {sp!r} is not a submodule of "
+                             f"{type(module).__name__}; pass names from module.named_modules()"
+                             + (f", e.g. {close}" if close else ""))
+    if len(set(split_points)) != len(split_points):
+        raise ValueError(f"split_points {split_points} names a submodule twice; give each once")
+
+    # Which forward parameters are inputs (tensors given), which are fixed.
+    example_args = example_args if isinstance(example_args, tuple) else (example_args,)
+    example_kwargs = dict(example_kwargs or {})
+    signature = inspect.signature(module.forward)
+    for p in signature.parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise PipelineError(f"{type(module).__name__}.forward takes *{p.name}: gpipe.pipeline "
+                                f"needs named parameters to map arguments to the Pipe's inputs; "
+                                f"give forward explicit parameters")
+    bound = signature.bind(*example_args, **example_kwargs)
+    names: List[str] = []
+    concrete: Dict[str, Any] = {}
+    for name, p in signature.parameters.items():
+        if name in bound.arguments and isinstance(bound.arguments[name], Tensor):
+            names.append(name)
+        elif name in bound.arguments:
+            concrete[name] = bound.arguments[name]
+        else:
+            concrete[name] = p.default
+    if not names:
+        raise ValueError("example_args and example_kwargs give no tensor; the Pipe needs at "
+                         "least one tensor input to cut into micro-batches")
+
+    root = module  # what the stages take their submodules and parameters from
+    if tracer == "export":
+        root, graph, order = _export(module, bound, names, concrete, pipe_options)
+    elif tracer == "fx":
+        graph = _trace(module, split_points, concrete)
+        # Drop the specialised parameters: fx keeps a placeholder for each (in signature order)
+        # and checks on it (``eq`` then ``_assert``); the values are baked into the graph.
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        params = list(signature.parameters)
+        if len(placeholders) != len(params):
+            raise PipelineError(f"the trace of {type(module).__name__}.forward has "
+                                f"{len(placeholders)} inputs for {len(params)} parameters; "
+                                f"gpipe.pipeline cannot tell which is which")
+        checks = (operator.eq, torch._assert, getattr(fx._symbolic_trace, "_assert_is_none", None))
+        order: List[fx.Node] = []
+        for name, node in zip(params, placeholders):
+            if name in names:
+                order.append(node)
+                continue
+            doomed, todo = [], [node]
+            while todo:
+                n = todo.pop()
+                doomed.append(n)
+                for user in n.users:
+                    if user.op != "call_function" or user.target not in checks:
+                        raise PipelineError(f"argument {name!r} was fixed at its example value "
+                                            f"({concrete[name]!r}) but {user.format_node()} uses "
+                                            f"it; pass it as a tensor, or use it only in Python "
+                                            f"control flow")
+                    todo.append(user)
+            for n in sorted(set(doomed), key=lambda n: -list(graph.nodes).index(n)):
+                graph.erase_node(n)
+    else:
+        raise ValueError(f"tracer must be 'fx' or 'export', got {tracer!r}")
+
+    values = _record_values(root, graph, [bound.arguments[n] for n in names])
+    nodes = [n for n in graph.nodes if n.op != "output"]
+    index = {n: i for i, n in enumerate(nodes)}
+    output = next(n for n in graph.nodes if n.op == "output")
+
+    # Where each stage begins: the first node run by its split point's submodule (a call,
+    # or a node traced inside it); a parameter read from outside (a tie) does not count,
+    # unless that is all the forward does with it.
+    def inside(node: fx.Node, sp: str, reads: bool = False) -> bool:
+        stack = node.meta.get("nn_module_stack") or {}
+        paths = [v[0] if isinstance(v, tuple) else v for v in stack.values()]
+        if node.op == "call_module" or (reads and node.op == "get_attr"):
+            paths.append(node.target)
+        return any(p == sp or str(p).startswith(sp + ".") for p in paths)
+
+    begins = []
+    for sp in split_points:
+        first = next((n for n in nodes if inside(n, sp)), None)
+        if first is None:
+            first = next((n for n in nodes if inside(n, sp, reads=True)), None)
+        if first is None:
+            raise ValueError(f"split point {sp!r} is never used by {type(module).__name__}."
+                             f"forward on the example, so no stage can begin there; pass a "
+                             f"submodule the forward calls")
+        begins.append((index[first], sp))
+    begins.sort()
+    if begins[0][0] == 0 or any(a[0] == b[0] for a, b in zip(begins, begins[1:])):
+        raise ValueError(f"split points {[sp for _, sp in begins]} leave an empty stage; "
+                         f"choose submodules used at different points of the forward")
+    n_stages = len(begins) + 1
+    stage_of: Dict[fx.Node, int] = {}
+    s = 0
+    for n in nodes:
+        while s < len(begins) and index[n] >= begins[s][0]:
+            s += 1
+        stage_of[n] = 0 if n.op == "placeholder" else s
+    # A getitem of a value holding several tensors (a module returning a tuple) runs where
+    # that value is made, so only single tensors cross.
+    for n in nodes:
+        if (n.op == "call_function" and n.target is operator.getitem
+                and isinstance(n.args[0], fx.Node) and not isinstance(values.get(n.args[0]), Tensor)
+                and _leaves_have_tensor(values.get(n.args[0]))):
+            stage_of[n] = stage_of[n.args[0]]
+
+    def recomputed(n: fx.Node) -> bool:
+        return n.op == "get_attr" or (n.op != "placeholder" and not _leaves_have_tensor(values.get(n)))
+
+    # Per stage: values made elsewhere and routed in (ext), values recomputed here (remat).
+    ext: List[Set[fx.Node]] = [set() for _ in range(n_stages)]
+    remat: List[Set[fx.Node]] = [set() for _ in range(n_stages)]
+
+    def need(a: fx.Node, t: int, user: str) -> None:
+        if a.op == "get_attr":  # fetched in every stage that uses it, and only there
+            remat[t].add(a)
+            return
+        if stage_of[a] == t or a in remat[t] or a in ext[t]:
+            return
+        if recomputed(a):
+            remat[t].add(a)
+            for b in a.all_input_nodes:
+                need(b, t, a.name)
+        elif isinstance(values.get(a), Tensor):
+            ext[t].add(a)
+        else:
+            raise PipelineError(
+                f"{a.name} ({a.format_node()}) holds {type(values.get(a)).__name__} of "
+                f"tensors and is used by {user} in another stage; only tensors cross stages: "
+                f"move the split point, or return/use its tensors one by one")
+
+    for n in nodes:
+        for a in n.all_input_nodes:
+            need(a, stage_of[n], n.name)
+    out_flat, out_spec = pytree.tree_flatten(output.args[0])
+    info = getattr(graph._codegen, "pytree_info", None)  # torch.export: flat outputs, a spec
+    if tracer == "export" and info is not None and info.out_spec is not None:
+        out_flat, out_spec = list(output.args[0]), info.out_spec
+    out_nodes = [x for x in out_flat if isinstance(x, fx.Node)]
+    for x in out_nodes:
+        if not isinstance(values.get(x), Tensor):
+            raise PipelineError(f"the forward returns {x.name}, a {type(values.get(x)).__name__}"
+                                f", not a tensor; a Pipe's outputs are tensors: return tensors "
+                                f"(in a tuple, list, dict of them)")
+        need(x, n_stages - 1, "the output")
+    # None: the last stage's next output; (value,): a constant the forward returns.
+    out_constants = [None if isinstance(x, fx.Node) else (x,) for x in out_flat]
+
+    # Hand-offs: after stage k, every routed value a later stage needs.
+    hand: List[List[fx.Node]] = []
+    for k in range(n_stages - 1):
+        carried = {a for t in range(k + 1, n_stages) for a in ext[t] if stage_of[a] <= k}
+        hand.append(sorted(carried, key=index.__getitem__))
+
+    stages = []
+    for k in range(n_stages):
+        g = fx.Graph()
+        env: Dict[fx.Node, fx.Node] = {}
+        incoming = order if k == 0 else hand[k - 1]
+        if len(incoming) == 1:
+            env[incoming[0]] = g.placeholder("input")
+        else:
+            x = g.placeholder("input")
+            for i, a in enumerate(incoming):
+                env[a] = g.call_function(operator.getitem, (x, i))
+        # A parameter is read only where used: torch.export reads them all at the start,
+        # and a stage holding parameters it does not use would tie them across devices.
+        body = sorted((n for n in nodes if n.op != "placeholder"
+                       and ((stage_of[n] == k and n.op != "get_attr") or n in remat[k])),
+                      key=index.__getitem__)
+        for n in body:
+            env[n] = g.node_copy(n, lambda a: env[a])
+        if k == n_stages - 1:
+            result = [env[x] for x in out_nodes]
+        else:
+            result = [env[a] for a in hand[k]]
+        g.output(result[0] if len(result) == 1 else tuple(result))
+        gm = _Stage(root, g, class_name=f"Stage{k}")
+        _keep_persistence(root, gm)
+        stages.append(gm)
+
+    # Parameters and buffers no stage uses still belong to the module's state_dict.
+    key_order = list(module.state_dict().keys())
+    held = {key for st in stages for key in st.state_dict().keys()}
+    for key in key_order:
+        if key not in held:
+            _attach(root, stages[0], key)
+    key_stages: Dict[str, List[int]] = {}
+    for k, st in enumerate(stages):
+        for key in st.state_dict().keys():
+            key_stages.setdefault(key, []).append(k)
+
+    options = dict(pipe_options)
+    bd = options.get("batch_dim", 0)
+    if isinstance(bd, dict):
+        unknown = set(bd) - set(names)
+        if unknown:
+            raise ValueError(f"batch_dim names {sorted(unknown)}, which are not the Pipe's "
+                             f"inputs {names}; name forward parameters given as tensors")
+        dims = [bd.get(n, 0) for n in names]
+        options["batch_dim"] = dims if len(dims) > 1 else dims[0]
+    return _PipelinedPipe(nn.Sequential(*stages), names, concrete, signature, out_spec, out_constants,
+                          key_order, key_stages, **options)
+
+
+def _export(module: nn.Module, bound: inspect.BoundArguments, names: List[str],
+            concrete: Dict[str, Any], pipe_options: Dict[str, Any]
+            ) -> Tuple[nn.Module, fx.Graph, List[fx.Node]]:
+    """torch.export's graph of ``module`` (parameters as get_attr nodes of the unlifted
+    module, which holds the module's own parameters), with the batch dim of every input
+    dynamic, and the placeholders in ``names`` order."""
+    given = [n for n in bound.arguments if n not in names]
+    if given:
+        raise ValueError(f"tracer='export' takes tensor arguments only, got {given} as "
+                         f"non-tensors; leave them at their defaults or use tracer='fx'")
+    bd = pipe_options.get("batch_dim", 0)
+    if isinstance(bd, dict):
+        dims = [bd.get(n, 0) for n in names]
+    elif isinstance(bd, (list, tuple)):
+        dims = list(bd)
+    else:
+        dims = [bd] * len(names)
+    if len(dims) != len(names):
+        raise ValueError(f"batch_dim {bd!r} has {len(dims)} entries for the inputs {names}")
+    batch = torch.export.Dim("batch")
+    shapes = {n: (None if d is None else {d % bound.arguments[n].dim(): batch})
+              for n, d in zip(names, dims)}
+    try:
+        ep = torch.export.export(module, tuple(bound.args), dict(bound.kwargs),
+                                 dynamic_shapes=shapes)
+    except Exception as exc:
+        frame, owner = _user_frame(exc.__traceback__)
+        where = ""
+        if frame is not None:
+            line = linecache.getline(frame.filename, frame.lineno).strip()
+            func = f"{type(owner).__name__}.{frame.name}" if isinstance(owner, nn.Module) \
+                else frame.name
+            where = f" at {frame.filename}:{frame.lineno} in {func}: `{line}`"
+        raise PipelineError(
+            f"gpipe.pipeline could not export {type(module).__name__} with torch.export"
+            f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
+            f"Python control flow on tensor values cannot be exported into a graph; use "
+            f"tracer='fx', which calls the submodules that hold no split point without tracing "
+            f"them, with that code moved into such a submodule, or write the model as an "
+            f"nn.Sequential and use gpipe.Pipe directly") from exc
+    gm = ep.module()
+    graph = gm.graph
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    missing = [n for n in names if n not in placeholders]
+    if missing:
+        raise PipelineError(f"torch.export's graph has no input named {missing} (it has "
+                            f"{list(placeholders)}); use tracer='fx'")
+    return gm, graph, [placeholders[n] for n in names]
+
+
+def _balanced_split_points(module: nn.Module, stages: Any, example_args: Any,
+                           example_kwargs: Optional[Dict[str, Any]]) -> List[str]:
+    """Split points for ``stages`` stages over the submodules the forward calls, balanced by
+    parameter count."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be an int of at least 1, got {stages!r}")
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    bound = inspect.signature(module.forward).bind(*args, **(example_kwargs or {}))
+    concrete = {name: bound.arguments.get(name, p.default)
+                for name, p in inspect.signature(module.forward).parameters.items()
+                if not isinstance(bound.arguments.get(name), Tensor)}
+    graph = _trace(module, [], concrete)
+    calls: List[str] = []
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target not in calls:
+            calls.append(node.target)
+    if len(calls) < stages:
+        raise ValueError(f"stages={stages} but {type(module).__name__}.forward calls only "
+                         f"{len(calls)} submodules ({calls}) to begin stages at; pass at most "
+                         f"{len(calls)}, or split_points inside them")
+    seen: Set[int] = set()
+    costs = []
+    for name in calls:
+        params = [p for p in module.get_submodule(name).parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        costs.append(sum(p.numel() for p in params))
+    counts = balance_cost(costs, stages)
+    starts = list(itertools.accumulate(counts))[:-1]
+    return [calls[i] for i in starts]
+
+
+def _keep_persistence(module: nn.Module, gm: nn.Module) -> None:
+    """fx registers every copied buffer as persistent; keep the module's choice."""
+    for name, _ in list(gm.named_buffers()):
+        owner, field = _owner(module, name)
+        if field in owner._non_persistent_buffers_set:
+            holder, _ = _owner(gm, name)
+            holder._non_persistent_buffers_set.add(field)
+
+
+def _attach(module: nn.Module, stage: nn.Module, key: str) -> None:
+    """Registers the module's ``key`` (a parameter, buffer or extra state no stage uses) on
+    ``stage`` under the same name, creating holder modules on the way."""
+    *path, field = key.split(".")
+    src, dst = module, stage
+    for item in path:
+        src = getattr(src, item)
+        nxt = getattr(dst, item, None)
+        if nxt is src:
+            return  # the stage holds the module itself
+        if nxt is None:
+            nxt = nn.Module()
+            dst.add_module(item, nxt)
+        dst = nxt
+    if field in src._parameters:
+        dst.register_parameter(field, src._parameters[field])
+    elif field in src._buffers:
+        dst.register_buffer(field, src._buffers[field])
