@@ -1,7 +1,7 @@
 """gpipe.pipeline: a traced nn.Module cut at named submodules equals the module (outputs, grads,
 state_dict, ties, kwargs, batch sizes) and refuses what it cannot trace, naming the line."""
 import math
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -109,6 +109,24 @@ def grads_equal(a: nn.Module, b: nn.Module) -> None:
         assert max_diff(pa[name].grad, pb[name].grad) < TOL, name
 
 
+def lm_loss(logits: Tensor, tgt: Tensor) -> Tensor:
+    return F.cross_entropy(logits.reshape(-1, V), tgt.reshape(-1))
+
+
+def train_step_equals_plain(pipe: nn.Module, model: nn.Module, plain: nn.Module, args: tuple,
+                            target: Tensor, loss_fn: Callable, kwargs: Optional[dict] = None,
+                            what: Any = None) -> None:
+    """pipe.train_step on ``args``/``kwargs`` gives the plain model's loss, and ``model``'s
+    grads equal ``plain``'s after its backward."""
+    kwargs = kwargs or {}
+    loss = pipe.train_step(args, target, loss_fn, kwargs=kwargs) if kwargs else \
+        pipe.train_step(args[0] if len(args) == 1 else args, target, loss_fn)
+    ref = loss_fn(plain(*args, **kwargs), target)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < TOL, what
+    grads_equal(model, plain)
+
+
 def twin(model: nn.Module) -> nn.Module:
     """An independent copy (the pipe shares the model's own parameters)."""
     import copy
@@ -137,16 +155,7 @@ def test_gpt_train_step() -> None:
     model = gpt()
     plain = twin(model)
     pipe = gpipe.pipeline(model, ["blocks.1", "blocks.3"], idx_of(3), chunks=3)
-    idx, target = idx_of(7), idx_of(7)
-
-    def loss_fn(logits: Tensor, tgt: Tensor) -> Tensor:
-        return F.cross_entropy(logits.reshape(-1, V), tgt.reshape(-1))
-
-    loss = pipe.train_step(idx, target, loss_fn)
-    ref = loss_fn(plain(idx), target)
-    ref.backward()
-    assert abs(loss.item() - ref.item()) < TOL
-    grads_equal(model, plain)
+    train_step_equals_plain(pipe, model, plain, (idx_of(7),), idx_of(7), lm_loss)
 
 
 def test_gpt_tied_weight_stays_one_parameter() -> None:
@@ -389,16 +398,8 @@ def test_train_step_with_keyword_mask_and_schedules() -> None:
         pipe = gpipe.pipeline(model, ["blocks.1", "blocks.3"], idx_of(2),
                               {"attention_mask": mask}, chunks=4,
                               batch_dim={"attention_mask": None}, schedule=schedule)
-        idx, target = idx_of(7), idx_of(7)
-
-        def loss_fn(logits: Tensor, tgt: Tensor) -> Tensor:
-            return F.cross_entropy(logits.reshape(-1, V), tgt.reshape(-1))
-
-        loss = pipe.train_step((idx,), target, loss_fn, kwargs={"attention_mask": mask})
-        ref = loss_fn(plain(idx, attention_mask=mask), target)
-        ref.backward()
-        assert abs(loss.item() - ref.item()) < TOL, schedule
-        grads_equal(model, plain)
+        train_step_equals_plain(pipe, model, plain, (idx_of(7),), idx_of(7), lm_loss,
+                                kwargs={"attention_mask": mask}, what=schedule)
 
 
 def test_state_dict_keys_inside_a_parent_module() -> None:
@@ -526,22 +527,13 @@ def test_interleaved_schedule_four_stages_on_two_workers() -> None:
     plain = twin(model)
     pipe = gpipe.pipeline(model, ["blocks.1", "blocks.2", "blocks.3"], idx_of(2), chunks=4,
                           schedule="interleaved_1f1b", virtual_stages=2, devices=["cpu", "cpu"])
-    idx, target = idx_of(6), idx_of(6)
-
-    def loss_fn(logits: Tensor, tgt: Tensor) -> Tensor:
-        return F.cross_entropy(logits.reshape(-1, V), tgt.reshape(-1))
-
-    loss = pipe.train_step(idx, target, loss_fn)
-    ref = loss_fn(plain(idx), target)
-    ref.backward()
-    assert abs(loss.item() - ref.item()) < TOL
-    grads_equal(model, plain)
+    train_step_equals_plain(pipe, model, plain, (idx_of(6),), idx_of(6), lm_loss)
 
 
 class WithLoss(GPT):
     def forward(self, idx: Tensor, targets: Tensor) -> tuple:  # type: ignore[override]
         logits = GPT.forward(self, idx)
-        return logits, F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+        return logits, lm_loss(logits, targets)
 
 
 def test_a_loss_inside_forward_is_refused_by_the_pipe() -> None:
@@ -591,11 +583,7 @@ def test_export_unet_and_train_step() -> None:
     pipe = gpipe.pipeline(model, ["enc2", "mid", "dec1"], torch.randn(2, 2, 8).double(),
                           tracer="export", chunks=3)
     assert max_diff(pipe(x), plain(x)) < TOL
-    loss = pipe.train_step(x, y, F.mse_loss)
-    ref = F.mse_loss(plain(x), y)
-    ref.backward()
-    assert abs(loss.item() - ref.item()) < TOL
-    grads_equal(model, plain)
+    train_step_equals_plain(pipe, model, plain, (x,), y, F.mse_loss)
 
 
 def test_export_untraceable_names_the_line() -> None:
