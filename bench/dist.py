@@ -92,6 +92,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -257,6 +258,27 @@ def memory_config(quick: bool) -> dict:
         dict(hidden=2048, batch=4096, m=16, reps=2)
 
 
+def gather_to(path: str, rank: int, result: Any) -> None:
+    """Every rank's `result`, in rank order, written by rank 0 to `path` as JSON (a collective:
+    every rank calls it)."""
+    import torch.distributed as dist
+
+    gathered = [None] * K
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(gathered, f)
+
+
+def spawn_gathered(worker: Callable[..., None], quick: bool) -> list:
+    """Runs worker(rank, port, quick, path) on K processes; returns what it gather_to-ed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ranks.json")
+        mp.spawn(worker, args=(peer.free_port(), quick, path), nprocs=K)
+        with open(path) as f:
+            return json.load(f)
+
+
 def memory_worker(rank: int, port: int, quick: bool, path: str) -> None:
     """The memory section of the docstring, on one rank: its peak growth in MiB per schedule."""
     # Before the first large allocation: tensors of 64 KiB or more are each
@@ -304,11 +326,7 @@ def memory_worker(rank: int, port: int, quick: bool, path: str) -> None:
             growth[schedule] = max(peaks)
             del pipe, model, x, target
             dist.barrier()
-        gathered = [None] * K
-        dist.all_gather_object(gathered, growth)
-        if rank == 0:
-            with open(path, "w") as f:
-                json.dump(gathered, f)
+        gather_to(path, rank, growth)
     finally:
         dist.destroy_process_group()
 
@@ -316,11 +334,7 @@ def memory_worker(rank: int, port: int, quick: bool, path: str) -> None:
 def memory_section(quick: bool) -> None:
     """The memory section of the docstring: per-rank growth, the BENCH line."""
     cfg = memory_config(quick)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "memory.json")
-        mp.spawn(memory_worker, args=(peer.free_port(), quick, path), nprocs=K)
-        with open(path) as f:
-            ranks = json.load(f)
+    ranks = spawn_gathered(memory_worker, quick)
     print(f"\nPeak RSS growth during one training step, MiB (8 x (Linear({cfg['hidden']}, "
           f"{cfg['hidden']}) + ReLU), batch {cfg['batch']}, K = {K}, M = {cfg['m']}, "
           f"checkpoint never, weight matrices frozen):")
@@ -401,22 +415,14 @@ def dp_worker(rank: int, port: int, quick: bool, path: str) -> None:
                    for other in (sharded, replicated) for n, p in other.named_parameters())
         result = {name: statistics.median(t) for name, t in times.items()}
         result["diff"] = diff
-        gathered = [None] * K
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            with open(path, "w") as f:
-                json.dump(gathered, f)
+        gather_to(path, rank, result)
     finally:
         dist.destroy_process_group()
 
 
 def dp_section(quick: bool) -> None:
     """The data-parallel section of the docstring: step times, the largest difference."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "dp.json")
-        mp.spawn(dp_worker, args=(peer.free_port(), quick, path), nprocs=K)
-        with open(path) as f:
-            ranks = json.load(f)
+    ranks = spawn_gathered(dp_worker, quick)
     ours = max(r["dp_group"] for r in ranks)
     theirs = max(r["fsdp"] for r in ranks)
     replicated = max(r["replicate"] for r in ranks)
