@@ -415,7 +415,7 @@ class Pipe(nn.Module):
                                  f"here: pass {what}(x if pipe.is_first else None, ...)")
             _check_input(input)
 
-    def _check_ties(self) -> Dict[int, Any]:
+    def _check_ties(self, units: List[nn.Module]) -> Dict[int, Any]:
         """Where this rank's tied parameters will collect the step's grads, checked before
         the step: a use still holding the Parameter found at construction needs nothing; one
         that FSDP2 (fully_shard or its replicate) swapped for its shards collects them on the
@@ -424,7 +424,7 @@ class Pipe(nn.Module):
         if not self._tied_here:
             return {}
         sharded = {}
-        for unit in _fsdp_units(self):
+        for unit in units:
             group = unit._get_fsdp_state()._fsdp_param_group
             for fsdp_param in (group.fsdp_params if group is not None else []):
                 sharded[id(fsdp_param.sharded_param)] = fsdp_param
@@ -500,12 +500,13 @@ class Pipe(nn.Module):
         state is undefined after it): recreate the process group and the
         pipe.
         """
+        units = _fsdp_units(self)
         try:
             if not callable(loss_fn):
                 raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got "
                                 f"{loss_fn!r}")
             self._check_step(input, "train_step")
-            managed = self._check_ties()
+            managed = self._check_ties(units)
             if self.is_last:
                 if target is None:
                     raise ValueError(f"rank {self.rank} holds the last stage, so train_step "
@@ -516,7 +517,6 @@ class Pipe(nn.Module):
             # The other ranks are in the step already: they fail too, naming this rank.
             self._engine.abandon_step(f"{type(e).__name__}: {e}", True)
             raise
-        units = _fsdp_units(self)
         _fsdp_begin(self, units, training=True)
         try:
             self._fsdp_tie_replicas(managed, units)
