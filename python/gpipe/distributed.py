@@ -2,7 +2,7 @@
 import atexit
 import sys
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -12,11 +12,13 @@ from gpipe import _C
 from gpipe.pipe import (BatchDim, _as_int, _batch_dims, _check_balance, _check_input,
                         _engine_checkpoint, _parse_balance, _parse_checkpoint, _parse_chunks,
                         _parse_schedule, _schedule_stages)
+from gpipe.pipeline import _Cut, _Pipelined, _cut
 from gpipe.schedule import Schedule
 from gpipe.skip.layout import stage_runners
 from gpipe.skip.skippable import verify_skippables
 
-__all__ = ["Pipe", "clip_grad_norm_", "get_state_dict", "grad_scaler", "set_state_dict"]
+__all__ = ["Pipe", "clip_grad_norm_", "get_state_dict", "grad_scaler", "pipeline",
+           "set_state_dict"]
 
 TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -594,6 +596,100 @@ class Pipe(nn.Module):
         if self.virtual_stages != 1:
             text += f", virtual_stages={self.virtual_stages}"
         return text
+
+
+class _PipelinedPipe(_Pipelined, Pipe):
+    """A :class:`Pipe` over the stages of a traced module (:func:`pipeline`): steps take
+    the module's arguments and give what it returns; ``state_dict()`` keys are the module's
+    (this rank's part of them)."""
+
+    def __init__(self, cut: _Cut) -> None:
+        Pipe.__init__(self, nn.Sequential(*cut.stages), [1] * len(cut.stages), **cut.options)
+        self._pipelined(cut)
+
+    def _local_stages(self) -> Optional[Set[int]]:
+        return set(self.stages)
+
+    def _packed(self, input: Any, kwargs: Optional[Dict[str, Any]], training: bool) -> Any:
+        """The first rank's arguments as the pipe's inputs; a bad call fails the step on
+        every rank (the others are in it already)."""
+        if not self.is_first:
+            return None
+        try:
+            if input is None and not kwargs:
+                raise ValueError(f"rank {self.rank} holds the first stage, so the step needs "
+                                 f"the module's arguments here: pass input=(x, ...) and "
+                                 f"kwargs={{...}} if pipe.is_first else None")
+            args = () if input is None else input if isinstance(input, tuple) else (input,)
+            return self._inputs(args, kwargs or {})
+        except Exception as e:
+            self._engine.abandon_step(f"{type(e).__name__}: {e}", training)
+            raise
+
+    def train_step(self, input: Any = None, target: Optional[TensorOrTensors] = None, *,
+                   loss_fn: Callable[[Any, Any], Tensor],
+                   kwargs: Optional[Dict[str, Any]] = None) -> Optional[Tensor]:
+        """:meth:`Pipe.train_step` with the module's arguments on the first rank: ``input``
+        is its one positional tensor or a tuple of its positional arguments, ``kwargs`` its
+        keyword arguments (None on the other ranks); ``loss_fn`` gets one micro-batch's
+        output as the module returns it."""
+        packed = self._packed(input, kwargs, True)
+        return super().train_step(packed, target,
+                                  loss_fn=lambda out, tgt: loss_fn(self._outputs(out), tgt))
+
+    @torch.no_grad()
+    def eval_step(self, input: Any = None,  # type: ignore[override]
+                  kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        """:meth:`Pipe.eval_step` with the module's arguments on the first rank; returns
+        what the module returns on the last rank, None elsewhere."""
+        out = super().eval_step(self._packed(input, kwargs, False))
+        return None if out is None else self._outputs(out)
+
+
+def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
+             example_args: Any = (), example_kwargs: Optional[Dict[str, Any]] = None, *,
+             stages: Optional[int] = None, tracer: str = "fx", **pipe_options: Any) -> Pipe:
+    """:func:`gpipe.pipeline` over ranks: cuts ``module`` into stages at ``split_points``
+    and returns a :class:`Pipe` whose stage s runs on rank s mod R (R the group's size).
+
+    Every rank calls it with the same module (built the same way) and the same arguments;
+    each traces the module and keeps its own stages. K split points give K + 1 stages,
+    which must be R * ``virtual_stages``; with neither ``split_points`` nor ``stages``, the
+    module is cut into that many stages, balanced by parameter count. ``pipe_options`` are
+    :class:`Pipe`'s own (``chunks``, ``schedule``, ``group``, ``dp_group``, ``device``...),
+    except ``balance``; ``batch_dim`` may name the forward's parameters as in
+    :func:`gpipe.pipeline`.
+
+    Steps take the module's arguments on the first rank and give what it returns on the
+    last: ``pipe.train_step((idx,), target, loss_fn=..., kwargs={"attention_mask": m})``
+    (``input``/``kwargs`` None on the other ranks, ``target`` None but on the last) and
+    ``pipe.eval_step(...)`` likewise. ``state_dict()`` keys are the module's: each rank
+    saves its stages' part and the union over ranks is ``module.state_dict()``; every rank
+    may load the module's whole state_dict (a rank drops the keys only other ranks hold).
+    A parameter used in stages on two ranks (a tied embedding and head) is tied across
+    them as in :class:`Pipe`."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("gpipe.distributed.pipeline needs an initialised process group; call "
+                           "torch.distributed.init_process_group() first (torchrun sets its "
+                           "environment), or use gpipe.pipeline within one process")
+    group = pipe_options.get("group")
+    if pipe_options.get("mesh") is not None:
+        group = _pp_group(pipe_options["mesh"])
+    virtual = pipe_options.get("virtual_stages", 1)
+    wanted = dist.get_world_size(group if group is not None else dist.group.WORLD) * (
+        virtual if isinstance(virtual, int) else 1)
+    if split_points is None and stages is None:
+        stages = wanted
+    cut = _cut(module, split_points, example_args, example_kwargs, stages, tracer, pipe_options,
+               Pipe, "gpipe.distributed.pipeline")
+    # (A Schedule table sets the stages per rank itself; Pipe checks the count then.)
+    if (len(cut.stages) != wanted and isinstance(virtual, int)
+            and not isinstance(pipe_options.get("schedule"), Schedule)):
+        raise ValueError(f"the split points give {len(cut.stages)} stages but the pipeline has "
+                         f"{wanted // virtual} ranks x virtual_stages {virtual} = {wanted} "
+                         f"stages; pass {wanted - 1} split points (stage s runs on rank s % "
+                         f"{wanted // virtual}), or stages={wanted}")
+    return _PipelinedPipe(cut)
 
 
 def _pp_group(mesh: Any) -> Any:

@@ -2,8 +2,8 @@
 
 The module's ``forward`` is traced with ``torch.fx`` (submodules that hold no split point
 are called, not traced), the graph is cut where each split point's submodule is first
-used, and every value that crosses a cut is routed: tensors ride in the hand-off tuple
-(carried through the stages in between when a later stage needs them), parameters and
+used, and every value that crosses a cut is routed: a tensor rides in the hand-off tuple
+to the next stage that uses it, or as a skip straight to a later one, parameters and
 buffers are fetched again where they are used (the same objects, so tied weights stay
 tied), and values holding no tensor (sizes, ints) are recomputed in the stage that needs
 them. The stages are ``torch.fx.GraphModule``s that hold the module's own submodules and
@@ -20,7 +20,8 @@ import linecache
 import operator
 import os
 import traceback
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import (Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set,
+                    Tuple, Union)
 
 import torch
 import torch.fx as fx
@@ -29,6 +30,7 @@ from torch.utils import _pytree as pytree
 
 from gpipe.balance import balance_cost
 from gpipe.pipe import Pipe
+from gpipe.skip.tracker import pop_skip, stash_skip
 
 __all__ = ["pipeline", "PipelineError"]
 
@@ -131,18 +133,56 @@ def _factories_traced() -> Iterator[None]:
 
 class _Stage(fx.GraphModule):
     """One stage: a GraphModule holding the module's own submodules and parameters under
-    their dotted names. Unpickling retraces the generated code, with torch's factories
-    traced as when it was made."""
+    their dotted names. ``gpipe_skips`` lists the skips it stashes and pops (keys as
+    ``@skippable`` layers give them, skip/layout.py). Unpickling retraces the generated
+    code, with torch's factories traced as when it was made."""
+
+    gpipe_skips: Optional[Tuple[List[Tuple[None, str]], List[Tuple[None, str]]]] = None
 
     def __reduce__(self) -> Any:
         rebuild, args = super().__reduce__()
-        return (_unpickle_stage, (rebuild, args))
+        return (_unpickle_stage, (rebuild, args, self.gpipe_skips))
 
 
-def _unpickle_stage(rebuild: Callable, args: Any) -> nn.Module:
+def _unpickle_stage(rebuild: Callable, args: Any, skips: Any = None) -> nn.Module:
     with _factories_traced():
         gm = rebuild(*args)
-    return _Stage(gm, gm.graph, class_name=type(gm).__name__)
+    stage = _Stage(gm, gm.graph, class_name=type(gm).__name__)
+    stage.gpipe_skips = skips
+    return stage
+
+
+def _routes(ext: List[Set[fx.Node]], stage_of: Dict[fx.Node, int], index: Dict[fx.Node, int],
+            n_stages: int) -> Tuple[List[List[fx.Node]], List[List[Tuple[str, fx.Node]]],
+                                    List[List[Tuple[str, fx.Node]]]]:
+    """How each tensor reaches the stages that use it (``ext[t]``): from where it is made
+    to the first user, from there to the next user and so on; a hop to the next stage goes
+    in the hand-off, a longer one is a skip (stashed in one stage, popped in the other:
+    the engine sends it straight there). Returns the hand-offs (after stage k) and the
+    skips each stage stashes and pops, as (name, value).
+
+    A stage that would get an empty hand-off (it uses nothing of the stage before it, only
+    values from further back) has every value carried through the stages in between
+    instead, since a stage's input cannot be empty."""
+    hand: List[List[fx.Node]] = [[] for _ in range(n_stages - 1)]
+    stash: List[List[Tuple[str, fx.Node]]] = [[] for _ in range(n_stages)]
+    pop: List[List[Tuple[str, fx.Node]]] = [[] for _ in range(n_stages)]
+    crossing = sorted(set().union(*ext), key=index.__getitem__)
+    for a in crossing:
+        prev = stage_of[a]
+        for t in (t for t in range(n_stages) if a in ext[t]):
+            if t == prev + 1:
+                hand[prev].append(a)
+            else:
+                name = f"{a.name}>{t}"
+                stash[prev].append((name, a))
+                pop[t].append((name, a))
+            prev = t
+    if all(hand):
+        return hand, stash, pop
+    carried = [sorted({a for t in range(k + 1, n_stages) for a in ext[t] if stage_of[a] <= k},
+                      key=index.__getitem__) for k in range(n_stages - 1)]
+    return carried, [[] for _ in range(n_stages)], [[] for _ in range(n_stages)]
 
 
 def _trace(module: nn.Module, split_points: Sequence[str],
@@ -206,38 +246,63 @@ def _owner(module: nn.Module, dotted: str) -> Tuple[nn.Module, str]:
     return module, field
 
 
-class _PipelinedPipe(Pipe):
-    """A :class:`gpipe.Pipe` over the stages of a traced module, called like that module
-    (``pipe(*args, **kwargs)``), with the module's ``state_dict()`` keys."""
+class _Cut(NamedTuple):
+    """A module cut into traced stages, and what calling it like the module takes."""
 
-    def __init__(self, stages: nn.Sequential, names: List[str], fixed: Dict[str, Any],
-                 signature: inspect.Signature,
-                 out_spec: Any, out_constants: List[Any], key_order: List[str],
-                 key_stages: Dict[str, List[int]], **options: Any) -> None:
-        super().__init__(stages, balance=[1] * len(stages), **options)
+    stages: List[nn.Module]
+    #: The forward's parameters that are the Pipe's inputs, in its input order.
+    names: List[str]
+    #: The forward's other parameters, fixed at their example (or default) values.
+    fixed: Dict[str, Any]
+    signature: inspect.Signature
+    out_spec: Any
+    #: Per output leaf: None (the last stage's next output) or (a constant,).
+    out_constants: List[Any]
+    #: The module's state_dict keys, in its order, and the stages holding each.
+    key_order: List[str]
+    key_stages: Dict[str, List[int]]
+    #: The Pipe's options, ``batch_dim`` given by name turned into the inputs' order.
+    options: Dict[str, Any]
+
+
+class _Pipelined:
+    """What a pipe over the stages of a traced module adds to :class:`gpipe.Pipe` and
+    :class:`gpipe.distributed.Pipe`: it takes the module's arguments, returns what the module
+    returns, and its ``state_dict()`` keys are the module's."""
+
+    input_names: List[str]
+    _out_spec: Any
+
+    def _pipelined(self, cut: _Cut) -> None:
         #: The forward's parameters the trace took as inputs, in the Pipe's input order.
-        self.input_names = names
-        self._fixed = fixed
-        self._signature = signature
-        self._out_spec = out_spec
-        self._out_constants = out_constants
-        self._key_order = key_order
-        self._key_stages = key_stages
-        self._register_state_dict_hook(_PipelinedPipe._module_keys)
-        self._register_load_state_dict_pre_hook(_PipelinedPipe._stage_keys, with_module=True)
-        self.register_load_state_dict_post_hook(_PipelinedPipe._missing_as_module_keys)
+        self.input_names = cut.names
+        self._fixed = cut.fixed
+        self._signature = cut.signature
+        self._out_spec = cut.out_spec
+        self._out_constants = cut.out_constants
+        self._key_order = cut.key_order
+        self._key_stages = cut.key_stages
+        self._register_state_dict_hook(_Pipelined._module_keys)  # type: ignore[attr-defined]
+        self._register_load_state_dict_pre_hook(  # type: ignore[attr-defined]
+            _Pipelined._stage_keys, with_module=True)
+        self.register_load_state_dict_post_hook(  # type: ignore[attr-defined]
+            _Pipelined._missing_as_module_keys)
         self._load_prefix = ""
 
     def __getstate__(self) -> Dict[str, Any]:
         # The output structure travels as pytree's JSON text (pickling a TreeSpec warns).
-        state = super().__getstate__()
+        state = super().__getstate__()  # type: ignore[misc]
         state["_out_spec"] = pytree.treespec_dumps(self._out_spec)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
         state["_out_spec"] = pytree.treespec_loads(state["_out_spec"])
-        super().__setstate__(state)
+        super().__setstate__(state)  # type: ignore[misc]
+
+    def _local_stages(self) -> Optional[Set[int]]:
+        """The stages this process holds (None: all of them)."""
+        return None
 
     def _inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Union[Tensor, Tuple[Tensor, ...]]:
         try:
@@ -273,6 +338,58 @@ class _PipelinedPipe(Pipe):
         leaves = [next(it) if c is None else c[0] for c in self._out_constants]
         return pytree.tree_unflatten(leaves, self._out_spec)
 
+    @staticmethod
+    def _module_keys(self: "_Pipelined", state_dict: Dict[str, Any], prefix: str,
+                     local_metadata: Any) -> None:
+        """state_dict hook: '<stage>.<key>' -> '<key>', in the module's key order."""
+        mine = {}
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            stage, _, rest = key[len(prefix):].partition(".")
+            if stage.isdigit() and rest in self._key_stages:
+                mine[rest] = state_dict.pop(key)
+        for rest in self._key_order:
+            if rest in mine:
+                state_dict[prefix + rest] = mine.pop(rest)
+        for rest, value in mine.items():
+            state_dict[prefix + rest] = value
+
+    @staticmethod
+    def _stage_keys(self: "_Pipelined", state_dict: Dict[str, Any], prefix: str,
+                    *_: Any) -> None:
+        """load_state_dict pre-hook: '<key>' -> '<stage>.<key>' for each stage holding it
+        here; a key only other ranks' stages hold is theirs to load, and dropped."""
+        self._load_prefix = prefix
+        local = self._local_stages()
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            rest = key[len(prefix):]
+            if rest in self._key_stages:
+                value = state_dict.pop(key)
+                for stage in self._key_stages[rest]:
+                    if local is None or stage in local:
+                        state_dict[f"{prefix}{stage}.{rest}"] = value
+
+    @staticmethod
+    def _missing_as_module_keys(self: "_Pipelined", incompatible: Any) -> None:
+        """load_state_dict post-hook: missing keys named as the module names them."""
+        named = []
+        for key in incompatible.missing_keys:
+            stage, _, rest = key[len(self._load_prefix):].partition(".")
+            if key.startswith(self._load_prefix) and stage.isdigit() and rest in self._key_stages:
+                key = self._load_prefix + rest
+            if key not in named:
+                named.append(key)
+        incompatible.missing_keys[:] = named
+
+
+class _PipelinedPipe(_Pipelined, Pipe):
+    """A :class:`gpipe.Pipe` over the stages of a traced module, called like that module
+    (``pipe(*args, **kwargs)``), with the module's ``state_dict()`` keys."""
+
+    def __init__(self, cut: _Cut) -> None:
+        Pipe.__init__(self, nn.Sequential(*cut.stages), balance=[1] * len(cut.stages),
+                      **cut.options)
+        self._pipelined(cut)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """Runs the pipeline on the module's own arguments (positional or keyword, as its
         forward takes them) and returns what the module's forward returns."""
@@ -288,46 +405,6 @@ class _PipelinedPipe(Pipe):
         packed = self._inputs(args, kwargs or {})
         return super().train_step(packed, target,
                                   lambda out, tgt: loss_fn(self._outputs(out), tgt))
-
-    @staticmethod
-    def _module_keys(self: "_PipelinedPipe", state_dict: Dict[str, Any], prefix: str,
-                     local_metadata: Any) -> None:
-        """state_dict hook: '<stage>.<key>' -> '<key>', in the module's key order."""
-        mine = {}
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            stage, _, rest = key[len(prefix):].partition(".")
-            if stage.isdigit() and rest in self._key_stages:
-                mine[rest] = state_dict.pop(key)
-        for rest in self._key_order:
-            if rest in mine:
-                state_dict[prefix + rest] = mine.pop(rest)
-        for rest, value in mine.items():
-            state_dict[prefix + rest] = value
-
-    @staticmethod
-    def _stage_keys(self: "_PipelinedPipe", state_dict: Dict[str, Any], prefix: str,
-                    *_: Any) -> None:
-        """load_state_dict pre-hook: '<key>' -> '<stage>.<key>' for each stage holding it."""
-        self._load_prefix = prefix
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            rest = key[len(prefix):]
-            if rest in self._key_stages:
-                value = state_dict.pop(key)
-                for stage in self._key_stages[rest]:
-                    state_dict[f"{prefix}{stage}.{rest}"] = value
-
-
-    @staticmethod
-    def _missing_as_module_keys(self: "_PipelinedPipe", incompatible: Any) -> None:
-        """load_state_dict post-hook: missing keys named as the module names them."""
-        named = []
-        for key in incompatible.missing_keys:
-            stage, _, rest = key[len(self._load_prefix):].partition(".")
-            if key.startswith(self._load_prefix) and stage.isdigit() and rest in self._key_stages:
-                key = self._load_prefix + rest
-            if key not in named:
-                named.append(key)
-        incompatible.missing_keys[:] = named
 
 
 def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
@@ -375,6 +452,17 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
         ValueError: a split point that is not a submodule, or is never used; ``balance``
             given.
     """
+    return _PipelinedPipe(_cut(module, split_points, example_args, example_kwargs, stages,
+                               tracer, pipe_options, Pipe, "gpipe.pipeline"))
+
+
+def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args: Any,
+         example_kwargs: Optional[Dict[str, Any]], stages: Optional[int], tracer: str,
+         pipe_options: Dict[str, Any], pipe_cls: type, caller: str) -> _Cut:
+    """What :func:`pipeline` and :func:`gpipe.distributed.pipeline` share: ``module`` traced
+    and cut into stages, with what calling the pipe like the module takes; ``pipe_options``
+    are checked against ``pipe_cls``'s."""
+    pipe_name = f"{pipe_cls.__module__}.{pipe_cls.__qualname__}".replace("gpipe.pipe.", "gpipe.")
     if stages is not None:
         if split_points is not None:
             raise ValueError(f"pass split_points or stages, not both (got split_points="
@@ -383,14 +471,14 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
     elif split_points is None:
         raise ValueError("pass split_points (submodule names where stages begin) or stages "
                          "(a number of stages to balance by parameter count)")
-    known = set(inspect.signature(Pipe.__init__).parameters) - {"self", "module"}
+    known = set(inspect.signature(pipe_cls.__init__).parameters) - {"self", "module"}
     unknown = sorted(set(pipe_options) - known)
     if unknown:
-        raise TypeError(f"gpipe.pipeline got {unknown}, which are not gpipe.Pipe options "
+        raise TypeError(f"{caller} got {unknown}, which are not {pipe_name} options "
                         f"({sorted(known - {'balance'})}); the module's own keyword arguments "
                         f"go in example_kwargs, e.g. example_kwargs={{{unknown[0]!r}: ...}}")
     if "balance" in pipe_options:
-        raise ValueError(f"gpipe.pipeline makes one stage per split, so balance="
+        raise ValueError(f"{caller} makes one stage per split, so balance="
                          f"{pipe_options['balance']!r} does not apply; choose the stages with "
                          f"split_points")
     if isinstance(split_points, str):
@@ -550,11 +638,7 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
     # None: the last stage's next output; (value,): a constant the forward returns.
     out_constants = [None if isinstance(x, fx.Node) else (x,) for x in out_flat]
 
-    # Hand-offs: after stage k, every routed value a later stage needs.
-    hand: List[List[fx.Node]] = []
-    for k in range(n_stages - 1):
-        carried = {a for t in range(k + 1, n_stages) for a in ext[t] if stage_of[a] <= k}
-        hand.append(sorted(carried, key=index.__getitem__))
+    hand, skips_out, skips_in = _routes(ext, stage_of, index, n_stages)
 
     stages = []
     for k in range(n_stages):
@@ -567,6 +651,9 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
             x = g.placeholder("input")
             for i, a in enumerate(incoming):
                 env[a] = g.call_function(operator.getitem, (x, i))
+        anchor = next(iter(g.nodes))  # the input (see pop_skip)
+        for name, a in skips_in[k]:
+            env[a] = g.call_function(pop_skip, (name, anchor))
         # A parameter is read only where used: torch.export reads them all at the start,
         # and a stage holding parameters it does not use would tie them across devices.
         body = sorted((n for n in nodes if n.op != "placeholder"
@@ -574,12 +661,17 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
                       key=index.__getitem__)
         for n in body:
             env[n] = g.node_copy(n, lambda a: env[a])
+        for name, a in skips_out[k]:
+            g.call_function(stash_skip, (name, env[a]))
         if k == n_stages - 1:
             result = [env[x] for x in out_nodes]
         else:
             result = [env[a] for a in hand[k]]
         g.output(result[0] if len(result) == 1 else tuple(result))
         gm = _Stage(root, g, class_name=f"Stage{k}")
+        if skips_out[k] or skips_in[k]:
+            gm.gpipe_skips = ([(None, name) for name, _ in skips_out[k]],
+                              [(None, name) for name, _ in skips_in[k]])
         _keep_persistence(root, gm)
         stages.append(gm)
 
@@ -603,8 +695,8 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
                              f"inputs {names}; name forward parameters given as tensors")
         dims = [bd.get(n, 0) for n in names]
         options["batch_dim"] = dims if len(dims) > 1 else dims[0]
-    return _PipelinedPipe(nn.Sequential(*stages), names, concrete, signature, out_spec, out_constants,
-                          key_order, key_stages, **options)
+    return _Cut(stages, names, concrete, signature, out_spec, out_constants, key_order,
+                key_stages, options)
 
 
 def _export(module: nn.Module, bound: inspect.BoundArguments, names: List[str],

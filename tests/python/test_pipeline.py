@@ -1,6 +1,7 @@
 """gpipe.pipeline: a traced nn.Module cut at named submodules equals the module (outputs, grads,
 state_dict, ties, kwargs, batch sizes) and refuses what it cannot trace, naming the line."""
 import math
+import pickle
 from typing import Any, Callable, Optional
 
 import pytest
@@ -69,7 +70,7 @@ class GPT(nn.Module):
 
 
 class UNet(nn.Module):
-    """Encoder outputs joined (torch.cat) two and three stages later."""
+    """Encoder outputs joined (torch.cat) into decoder layers later on."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -251,13 +252,19 @@ def test_an_assert_on_a_traced_size_is_traced() -> None:
         pipe(torch.randint(0, V, (2, T + 1)))
 
 
-@pytest.mark.parametrize("split", [["enc2", "dec2"], ["enc2", "mid", "dec1"]])
-def test_unet_skips_cross_stages(split: list) -> None:
+# e1 (enc1's output) is used in stage 0 (the max-pool before enc2) and by the last torch.cat,
+# in stage 2: it goes there as a skip, past stage 1, which never holds it.
+@pytest.mark.parametrize("split,skips", [
+    (["enc2", "dec2"], [([(None, "enc1>2")], []), None, ([], [(None, "enc1>2")])]),
+    (["enc2", "mid", "dec1"], [([(None, "enc1>2")], []), None, ([], [(None, "enc1>2")]), None]),
+])
+def test_unet_skips_cross_stages(split: list, skips: list) -> None:
     model = UNet().double()
     plain = twin(model)
     x = torch.randn(5, 2, 8, dtype=torch.float64)
     pipe = gpipe.pipeline(model, split, x, chunks=3)
     assert len(pipe) == len(split) + 1
+    assert [stage.gpipe_skips for stage in pipe] == skips
     out = pipe(x)
     assert max_diff(out, plain(x)) < TOL
     w = torch.randn_like(out)
@@ -265,6 +272,44 @@ def test_unet_skips_cross_stages(split: list) -> None:
     (plain(x) * w).sum().backward()
     grads_equal(model, plain)
     assert list(pipe.state_dict()) == list(model.state_dict())
+    copied = pickle.loads(pickle.dumps(pipe))
+    assert [stage.gpipe_skips for stage in copied] == skips
+    assert max_diff(copied(x), plain(x)) < TOL
+
+
+class Far(nn.Module):
+    """x reaches stages 2 and 4 (skips 0 -> 2 -> 4); h is used by stages 1 and 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 4)
+        self.d = nn.Linear(4, 4)
+        self.e = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        g = self.b(h)
+        g = self.c(g) * x
+        g = self.d(g)
+        return self.e(g) + h + x
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_values_skip_the_stages_that_do_not_use_them(schedule: str, checkpoint: str) -> None:
+    model = Far().double()
+    plain = twin(model)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    pipe = gpipe.pipeline(model, ["b", "c", "d", "e"], x, chunks=3, schedule=schedule,
+                          checkpoint=checkpoint)
+    popped = [[name for _, name in stage.gpipe_skips[1]] if stage.gpipe_skips else []
+              for stage in pipe]
+    assert popped == [[], [], ["x>2"], [], ["x>4", "tanh>4"]]
+    assert max_diff(pipe(x), plain(x)) < TOL
+    train_step_equals_plain(pipe, model, plain, (x,), torch.randn(7, 4, dtype=torch.float64),
+                            F.mse_loss, what=schedule)
 
 
 class DataDependent(nn.Module):

@@ -10,6 +10,9 @@ from gpipe.skip.tracker import StageRunner
 __all__ = ["Route", "skip_routes", "has_skippables", "stage_runners"]
 
 
+Key = Tuple[Namespace, str]
+
+
 class Route(NamedTuple):
     """A skip stashed in one stage and popped in a later one."""
 
@@ -21,13 +24,23 @@ class Route(NamedTuple):
     pop_stage: int
 
 
+def _declared(layer: nn.Module) -> Optional[Tuple[Iterable[Key], Iterable[Key]]]:
+    """The keys ``layer`` stashes and pops, or None when it declares no skips: a
+    ``@skippable`` layer, or a stage made by :func:`gpipe.pipeline`, which lists its keys in
+    ``gpipe_skips`` (stashed, popped)."""
+    if isinstance(layer, Skippable):
+        return layer.stashable(), layer.poppable()
+    return getattr(layer, "gpipe_skips", None)
+
+
 def skip_routes(partitions: Iterable[Iterable[nn.Module]]) -> List[Route]:
     """The skips that leave their stage: stashed by a layer of one stage and
     popped by a layer of a later one, sorted by (pop stage, stash stage,
     index of the stashing layer in the whole model, name).
 
     Only the stages' own layers count (a skippable nested inside another
-    layer is not seen, as in torchgpipe). Skips stashed and popped in the
+    layer is not seen, as in torchgpipe), ``@skippable`` layers and the
+    stages :func:`gpipe.pipeline` makes (their ``gpipe_skips``). Skips stashed and popped in the
     same stage, and skips with no matching stash or pop (which
     ``verify_skippables`` reports), give no route.
 
@@ -39,10 +52,12 @@ def skip_routes(partitions: Iterable[Iterable[nn.Module]]) -> List[Route]:
     index = 0
     for stage, layers in enumerate(partitions):
         for layer in layers:
-            if isinstance(layer, Skippable):
-                for key in layer.stashable():
+            declared = _declared(layer)
+            if declared is not None:
+                stashes, pops = declared
+                for key in stashes:
                     stashed_by[key] = (stage, index)
-                for key in layer.poppable():
+                for key in pops:
                     if key not in stashed_by:
                         continue
                     stash_stage, stash_index = stashed_by.pop(key)
@@ -63,9 +78,9 @@ def has_skippables(module_or_partitions: Union[nn.Module, Iterable[Iterable[nn.M
             the stages, each an iterable of layers.
     """
     if isinstance(module_or_partitions, nn.Module):
-        return isinstance(module_or_partitions, Skippable) or any(
-            isinstance(layer, Skippable) for layer in module_or_partitions.children())
-    return any(isinstance(layer, Skippable)
+        return _declared(module_or_partitions) is not None or any(
+            _declared(layer) is not None for layer in module_or_partitions.children())
+    return any(_declared(layer) is not None
                for layers in module_or_partitions for layer in layers)
 
 

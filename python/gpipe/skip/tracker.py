@@ -4,11 +4,13 @@ import contextlib
 import threading
 from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
+import torch.fx as fx
 from torch import Tensor, nn
 
 from gpipe.skip.namespace import Namespace
 
-__all__ = ["SkipTracker", "StageRunner", "current_skip_tracker", "use_skip_tracker"]
+__all__ = ["SkipTracker", "StageRunner", "current_skip_tracker", "use_skip_tracker", "pop_skip",
+           "stash_skip"]
 
 Key = Tuple[Namespace, str]
 
@@ -68,6 +70,27 @@ def current_skip_tracker() -> SkipTracker:
     if tracker is None:
         tracker = _local.tracker = SkipTracker()
     return tracker
+
+
+def pop_skip(name: str, anchor: Any = None) -> Optional[Tensor]:
+    """Takes the skip ``name`` (default namespace) from the current thread's tracker: where
+    a stage made by :func:`gpipe.pipeline` receives a value from an earlier stage that the
+    stages in between do not use. ``anchor`` (the stage's input) is unused, except that
+    when it is a torch.fx Proxy (the stage's code traced again, as unpickling does) the call
+    records itself instead of running."""
+    if isinstance(anchor, fx.Proxy):
+        return anchor.tracer.create_proxy("call_function", pop_skip, (name, anchor), {})
+    return current_skip_tracker().load(None, None, name)
+
+
+def stash_skip(name: str, tensor: Optional[Tensor]) -> None:
+    """Gives ``tensor`` to the current thread's tracker as the skip ``name`` (default
+    namespace): where a stage made by :func:`gpipe.pipeline` sends a value to a later stage
+    that is not the next. A torch.fx Proxy records the call instead (as :func:`pop_skip`)."""
+    if isinstance(tensor, fx.Proxy):
+        tensor.tracer.create_proxy("call_function", stash_skip, (name, tensor), {})
+        return
+    current_skip_tracker().save(None, None, name, tensor)
 
 
 class StageRunner:

@@ -1,0 +1,187 @@
+"""gpipe.distributed.pipeline: a module written the usual way, traced and cut at named submodules
+over Gloo ranks, equals the plain module (loss, every parameter's grad, eval outputs, float64),
+with the module's state_dict keys (the union over ranks) and a tie across ranks kept.
+
+Models from test_pipeline: the GPT (tied lm_head, attention mask as a keyword not cut by batch)
+on 3 ranks, the U-Net whose encoder output skips a stage on 4 ranks (the skip travels from rank
+0 to rank 2), with hand-offs matched by tag (Gloo's way) and by order (NCCL's). Each test
+spawns this file as worker processes (test_distributed's ``_spawn``); every rank builds the
+plain model too and compares.
+"""
+import os
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_distributed as td  # noqa: E402
+from test_pipeline import T, V, UNet, causal, gpt, idx_of, lm_loss  # noqa: E402
+
+SCHEDULES = ("gpipe", "1f1b", "zb_h1")
+_runs: dict = {}
+
+
+def _run(scenario: str, world: int, handoffs: str = "tagged") -> dict:
+    """Each scenario's processes run once per module (several tests read one run)."""
+    key = (scenario, world, handoffs)
+    if key not in _runs:
+        _runs[key] = td._spawn(scenario, world, handoffs=handoffs, script=os.path.abspath(__file__))
+    return _runs[key]
+
+
+def _grad_error(pipe, plain) -> float:
+    """The largest difference between this rank's grads and the plain model's, by the
+    module's names ("0.tok.weight" is the module's "tok.weight")."""
+    reference = dict(plain.named_parameters(remove_duplicate=False))
+    worst = 0.0
+    for name, p in pipe.named_parameters():
+        ref = reference[name.split(".", 1)[1]]
+        if p.grad is None or ref.grad is None:
+            worst = max(worst, 0.0 if p.grad is None and ref.grad is None else float("inf"))
+            continue
+        worst = max(worst, (p.grad - ref.grad).abs().max().item())
+    return worst
+
+
+def _union_of_keys(pipe) -> list:
+    import torch.distributed as dist
+
+    keys = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, list(pipe.state_dict().keys()))
+    return sorted(set().union(*keys))
+
+
+def _worker_gpt() -> None:
+    import torch.distributed as dist
+
+    import gpipe.distributed
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    mask = causal()
+    idx, tgt = idx_of(6), idx_of(6)
+    for schedule in SCHEDULES:
+        torch.manual_seed(1)
+        model = gpt()
+        torch.manual_seed(1)
+        plain = gpt()
+        pipe = gpipe.distributed.pipeline(model, ["blocks.1", "blocks.3"], (idx_of(2),),
+                                          {"attention_mask": mask}, chunks=3, schedule=schedule,
+                                          batch_dim={"attention_mask": None})
+        loss = pipe.train_step((idx,) if pipe.is_first else None, tgt if pipe.is_last else None,
+                               loss_fn=lm_loss,
+                               kwargs={"attention_mask": mask} if pipe.is_first else None)
+        ref = lm_loss(plain(idx, attention_mask=mask), tgt)
+        ref.backward()
+        td._report(check=schedule, grad_error=_grad_error(pipe, plain),
+                   loss_error=abs(loss.item() - ref.item()) if pipe.is_last else 0.0,
+                   stages=pipe.stages, ties=pipe.tied_parameters)
+
+    # eval_step gives what the module returns; the state_dict's union is the module's; every
+    # rank loads the module's whole state_dict.
+    out = pipe.eval_step((idx,) if pipe.is_first else None,
+                         kwargs={"attention_mask": mask} if pipe.is_first else None)
+    with torch.no_grad():
+        expected = plain(idx, attention_mask=mask)
+    fresh = gpt()
+    result = pipe.load_state_dict(fresh.state_dict())
+    loaded = all(torch.equal(v, fresh.state_dict()[k]) for k, v in pipe.state_dict().items())
+    td._report(check="state", eval_error=((out - expected).abs().max().item()
+                                          if pipe.is_last else 0.0),
+               eval_is_none=out is None, union=_union_of_keys(pipe),
+               module_keys=sorted(model.state_dict().keys()), loaded=loaded,
+               missing=result.missing_keys, unexpected=result.unexpected_keys,
+               mine=list(pipe.state_dict().keys()))
+
+    # The first rank forgetting the module's arguments fails the step on every rank.
+    try:
+        pipe.train_step(None, tgt if pipe.is_last else None, loss_fn=lm_loss)
+        error = ""
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    td._report(check="no input", error=error)
+
+    # Split points that do not give one stage per rank are refused before anything is built.
+    try:
+        gpipe.distributed.pipeline(gpt(), ["blocks.1"], (idx_of(2),))
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    td._report(check="stage count", error=error)
+    dist.destroy_process_group()
+
+
+def _worker_unet() -> None:
+    import torch.distributed as dist
+
+    import gpipe.distributed
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 2, 8, dtype=torch.float64), torch.randn(6, 2, 8, dtype=torch.float64)
+    for schedule in SCHEDULES:
+        torch.manual_seed(1)
+        model = UNet().double()
+        torch.manual_seed(1)
+        plain = UNet().double()
+        pipe = gpipe.distributed.pipeline(model, example_args=x[:2], chunks=3, schedule=schedule,
+                                          split_points=["enc2", "mid", "dec1"])
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                               loss_fn=F.mse_loss)
+        ref = F.mse_loss(plain(x), y)
+        ref.backward()
+        skips = [stage.gpipe_skips for stage in pipe.children()]
+        td._report(check=schedule, grad_error=_grad_error(pipe, plain),
+                   loss_error=abs(loss.item() - ref.item()) if pipe.is_last else 0.0,
+                   skips=[[list(map(list, side)) for side in s] if s else None for s in skips])
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gpt_over_three_ranks_equals_the_module(schedule):
+    found = td._results(_run("gpt", 3), schedule)
+    for rank, r in found.items():
+        assert r["grad_error"] <= 1e-10, (rank, r)
+        assert r["loss_error"] <= 1e-10, (rank, r)
+        assert r["stages"] == [rank], (rank, r)
+        # lm_head reuses the token embedding: tied across the first and the last rank.
+        assert r["ties"] == [[["0.tok.weight", "2.lm_head.weight"], [0, 2]]], (rank, r)
+
+
+def test_gpt_state_dict_union_eval_and_loading():
+    found = td._results(_run("gpt", 3), "state")
+    for rank, r in found.items():
+        assert r["union"] == r["module_keys"], (rank, r)
+        assert r["loaded"] and r["missing"] == [] and r["unexpected"] == [], (rank, r)
+        assert (r["eval_is_none"], r["eval_error"] <= 1e-10) == (rank != 2, True), (rank, r)
+    assert "tok.weight" in found[0]["mine"] and "lm_head.weight" in found[2]["mine"]
+    assert "blocks.3.ln1.weight" in found[2]["mine"] and "blocks.3.ln1.weight" not in found[0]["mine"]
+
+
+def test_gpt_errors_name_the_fix():
+    found = td._results(_run("gpt", 3), "no input")
+    assert "holds the first stage" in found[0]["error"], found[0]
+    for rank in (1, 2):
+        assert "rank 0" in found[rank]["error"], (rank, found[rank])
+    for rank, r in td._results(_run("gpt", 3), "stage count").items():
+        assert "2 stages" in r["error"] and "pass 2 split points" in r["error"], (rank, r)
+
+
+@pytest.mark.parametrize("handoffs", ["tagged", "ordered"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_unet_skip_across_ranks_equals_the_module(schedule, handoffs):
+    found = td._results(_run("unet", 4, handoffs), schedule)
+    for rank, r in found.items():
+        assert r["grad_error"] <= 1e-10, (rank, r)
+        assert r["loss_error"] <= 1e-10, (rank, r)
+    # Rank 0 stashes the encoder output; rank 2 pops it; rank 1 never holds it.
+    assert found[0]["skips"] == [[[[None, "enc1>2"]], []]], found[0]
+    assert found[1]["skips"] == [None], found[1]
+    assert found[2]["skips"] == [[[], [[None, "enc1>2"]]]], found[2]
+
+
+if __name__ == "__main__":
+    {"gpt": _worker_gpt, "unet": _worker_unet}[sys.argv[1]]()
