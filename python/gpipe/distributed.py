@@ -12,7 +12,7 @@ from gpipe import _C
 from gpipe.pipe import (BatchDim, _as_int, _batch_dims, _check_balance, _check_input,
                         _engine_checkpoint, _parse_balance, _parse_checkpoint, _parse_chunks,
                         _parse_schedule, _schedule_stages)
-from gpipe.pipeline import _Cut, _Pipelined, _cut
+from gpipe.pipeline import _balanced_split_points, _Cut, _Pipelined, _cut
 from gpipe.schedule import Schedule
 from gpipe.skip.layout import stage_runners
 from gpipe.skip.skippable import verify_skippables
@@ -648,14 +648,16 @@ class _PipelinedPipe(_Pipelined, Pipe):
 
 def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
              example_args: Any = (), example_kwargs: Optional[Dict[str, Any]] = None, *,
-             stages: Optional[int] = None, tracer: str = "fx", **pipe_options: Any) -> Pipe:
+             stages: Optional[int] = None, balance_by: str = "params", tracer: str = "fx",
+             **pipe_options: Any) -> Pipe:
     """:func:`gpipe.pipeline` over ranks: cuts ``module`` into stages at ``split_points``
     and returns a :class:`Pipe` whose stage s runs on rank s mod R (R the group's size).
 
     Every rank calls it with the same module (built the same way) and the same arguments;
     each traces the module and keeps its own stages. K split points give K + 1 stages,
     which must be R * ``virtual_stages``; with neither ``split_points`` nor ``stages``, the
-    module is cut into that many stages, balanced by parameter count. ``pipe_options`` are
+    module is cut into that many stages, balanced by ``balance_by`` (with ``"time"``, the
+    split points the group's first rank profiled, sent to the others). ``pipe_options`` are
     :class:`Pipe`'s own (``chunks``, ``schedule``, ``group``, ``dp_group``, ``device``...),
     except ``balance``; ``batch_dim`` may name the forward's parameters as in
     :func:`gpipe.pipeline`.
@@ -680,8 +682,15 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
         virtual if isinstance(virtual, int) else 1)
     if split_points is None and stages is None:
         stages = wanted
-    cut = _cut(module, split_points, example_args, example_kwargs, stages, tracer, pipe_options,
-               Pipe, "gpipe.distributed.pipeline")
+    if split_points is None and balance_by == "time":
+        # Timings differ from rank to rank: every rank takes the first rank's choice.
+        chosen = [_balanced_split_points(module, stages, balance_by, example_args,
+                                         example_kwargs)]
+        pp = group if group is not None else dist.group.WORLD
+        dist.broadcast_object_list(chosen, src=dist.get_global_rank(pp, 0), group=pp)
+        split_points, stages = chosen[0], None
+    cut = _cut(module, split_points, example_args, example_kwargs, stages, balance_by, tracer,
+               pipe_options, Pipe, "gpipe.distributed.pipeline")
     # (A Schedule table sets the stages per rank itself; Pipe checks the count then.)
     if (len(cut.stages) != wanted and isinstance(virtual, int)
             and not isinstance(pipe_options.get("schedule"), Schedule)):

@@ -19,6 +19,7 @@ import itertools
 import linecache
 import operator
 import os
+import time
 import traceback
 from typing import (Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set,
                     Tuple, Union)
@@ -28,7 +29,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from gpipe.balance import balance_cost
+from gpipe.balance import _untouched, balance_cost
 from gpipe.pipe import Pipe
 from gpipe.skip.tracker import pop_skip, stash_skip
 
@@ -409,7 +410,8 @@ class _PipelinedPipe(_Pipelined, Pipe):
 
 def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
              example_args: Any = (), example_kwargs: Optional[Dict[str, Any]] = None, *,
-             stages: Optional[int] = None, tracer: str = "fx", **pipe_options: Any) -> Pipe:
+             stages: Optional[int] = None, balance_by: str = "params", tracer: str = "fx",
+             **pipe_options: Any) -> Pipe:
     """Cuts ``module`` into stages that begin at ``split_points`` and returns a
     :class:`gpipe.Pipe` over them, called like ``module``.
 
@@ -425,8 +427,13 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
         example_kwargs: the forward's keyword arguments, as ``example_args``.
         stages: instead of ``split_points``, the number of stages: the submodules the
             module's own forward calls (``tok``, ``blocks.0``, ... ``lm_head``) are balanced
-            by parameter count (:func:`gpipe.balance.balance_cost`; a tied parameter counts
-            once, at its first use) and the stages begin at the chosen ones.
+            by ``balance_by`` (:func:`gpipe.balance.balance_cost`) and the stages begin at
+            the chosen ones.
+        balance_by: with ``stages``, each submodule's cost: ``"params"`` (default), its
+            parameter count (a tied parameter counts once, at its first use), or
+            ``"time"``, its forward and backward time on the examples (the fastest of 3
+            runs after a warm-up, where the module is; parameters, grads, buffers and the
+            RNG state are restored after).
         tracer: ``"fx"`` (default): torch.fx, entering only the submodules that hold a
             split point; ``"export"`` (experimental): torch.export with the batch dim of
             every input dynamic (``torch.export.Dim``), entering every submodule; the stages
@@ -453,12 +460,12 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
             given.
     """
     return _PipelinedPipe(_cut(module, split_points, example_args, example_kwargs, stages,
-                               tracer, pipe_options, Pipe, "gpipe.pipeline"))
+                               balance_by, tracer, pipe_options, Pipe, "gpipe.pipeline"))
 
 
 def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args: Any,
-         example_kwargs: Optional[Dict[str, Any]], stages: Optional[int], tracer: str,
-         pipe_options: Dict[str, Any], pipe_cls: type, caller: str) -> _Cut:
+         example_kwargs: Optional[Dict[str, Any]], stages: Optional[int], balance_by: str,
+         tracer: str, pipe_options: Dict[str, Any], pipe_cls: type, caller: str) -> _Cut:
     """What :func:`pipeline` and :func:`gpipe.distributed.pipeline` share: ``module`` traced
     and cut into stages, with what calling the pipe like the module takes; ``pipe_options``
     are checked against ``pipe_cls``'s."""
@@ -467,7 +474,8 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
         if split_points is not None:
             raise ValueError(f"pass split_points or stages, not both (got split_points="
                              f"{split_points!r}, stages={stages!r})")
-        split_points = _balanced_split_points(module, stages, example_args, example_kwargs)
+        split_points = _balanced_split_points(module, stages, balance_by, example_args,
+                                              example_kwargs)
     elif split_points is None:
         raise ValueError("pass split_points (submodule names where stages begin) or stages "
                          "(a number of stages to balance by parameter count)")
@@ -749,17 +757,20 @@ def _export(module: nn.Module, bound: inspect.BoundArguments, names: List[str],
     return gm, graph, [placeholders[n] for n in names]
 
 
-def _balanced_split_points(module: nn.Module, stages: Any, example_args: Any,
+def _balanced_split_points(module: nn.Module, stages: Any, balance_by: str, example_args: Any,
                            example_kwargs: Optional[Dict[str, Any]]) -> List[str]:
     """Split points for ``stages`` stages over the submodules the forward calls, balanced by
-    parameter count."""
+    parameter count or profiled time."""
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages must be an int of at least 1, got {stages!r}")
+    if balance_by not in ("params", "time"):
+        raise ValueError(f"balance_by must be 'params' or 'time', got {balance_by!r}")
     args = example_args if isinstance(example_args, tuple) else (example_args,)
-    bound = inspect.signature(module.forward).bind(*args, **(example_kwargs or {}))
-    concrete = {name: bound.arguments.get(name, p.default)
-                for name, p in inspect.signature(module.forward).parameters.items()
-                if not isinstance(bound.arguments.get(name), Tensor)}
+    signature = inspect.signature(module.forward)
+    bound = signature.bind(*args, **(example_kwargs or {}))
+    given = {name: bound.arguments.get(name, p.default)
+             for name, p in signature.parameters.items()}
+    concrete = {name: v for name, v in given.items() if not isinstance(v, Tensor)}
     graph = _trace(module, [], concrete)
     calls: List[str] = []
     for node in graph.nodes:
@@ -769,15 +780,59 @@ def _balanced_split_points(module: nn.Module, stages: Any, example_args: Any,
         raise ValueError(f"stages={stages} but {type(module).__name__}.forward calls only "
                          f"{len(calls)} submodules ({calls}) to begin stages at; pass at most "
                          f"{len(calls)}, or split_points inside them")
-    seen: Set[int] = set()
-    costs = []
-    for name in calls:
-        params = [p for p in module.get_submodule(name).parameters() if id(p) not in seen]
-        seen.update(id(p) for p in params)
-        costs.append(sum(p.numel() for p in params))
+    if balance_by == "time":
+        costs = _profiled_costs(module, graph, list(given.values()), calls)
+    else:
+        seen: Set[int] = set()
+        costs = []
+        for name in calls:
+            params = [p for p in module.get_submodule(name).parameters() if id(p) not in seen]
+            seen.update(id(p) for p in params)
+            costs.append(sum(p.numel() for p in params))
     counts = balance_cost(costs, stages)
     starts = list(itertools.accumulate(counts))[:-1]
     return [calls[i] for i in starts]
+
+
+def _profiled_costs(module: nn.Module, graph: fx.Graph, inputs: List[Any], calls: List[str],
+                    repeat: int = 3) -> List[float]:
+    """Each submodule's forward and backward time on the examples (every call of it, the
+    fastest of ``repeat`` runs after a warm-up), the module left as it was."""
+    values = _record_values(module, graph, inputs)
+    costs = []
+
+    def fresh(v: Any) -> Any:  # a graph input of its own for each run, as a stage gets
+        if isinstance(v, Tensor) and (v.is_floating_point() or v.is_complex()):
+            return v.detach().clone().requires_grad_()
+        return v
+
+    with _untouched(module), torch.random.fork_rng(devices=[]):
+        for name in calls:
+            sub = module.get_submodule(name)
+            total = 0.0
+            for node in (n for n in graph.nodes if n.op == "call_module" and n.target == name):
+                a, k = fx.node.map_arg((node.args, node.kwargs), lambda n: values[n])
+                best = float("inf")
+                for run in range(repeat + 1):
+                    a_run, k_run = pytree.tree_map(fresh, (a, k))
+                    begin = time.perf_counter()
+                    out = sub(*a_run, **k_run)
+                    roots = [t for t in pytree.tree_leaves(out)
+                             if isinstance(t, Tensor) and t.requires_grad]
+                    if roots:
+                        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+                    _synchronize(roots)
+                    if run > 0:
+                        best = min(best, time.perf_counter() - begin)
+                total += best
+            costs.append(total)
+    return costs
+
+
+def _synchronize(tensors: List[Tensor]) -> None:
+    """Waits for the devices the tensors are on (CUDA runs asynchronously)."""
+    for device in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
 
 
 def _keep_persistence(module: nn.Module, gm: nn.Module) -> None:

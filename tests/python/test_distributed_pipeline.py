@@ -111,6 +111,21 @@ def _worker_gpt() -> None:
     except ValueError as e:
         error = str(e)
     td._report(check="stage count", error=error)
+
+    # Neither split points nor stages: one stage per rank, balanced; by time, every rank takes
+    # the first rank's profile (timings differ between processes).
+    for balance_by in ("params", "time"):
+        torch.manual_seed(1)
+        model = gpt()
+        pipe = gpipe.distributed.pipeline(model, example_args=(idx_of(2),), chunks=2,
+                                          balance_by=balance_by)
+        firsts = [next(n.target for n in stage.graph.nodes if n.op == "call_module")
+                  for stage in pipe.children()]
+        out = pipe.eval_step(idx if pipe.is_first else None)
+        with torch.no_grad():
+            expected = model(idx)
+        td._report(check=f"balanced by {balance_by}", firsts=firsts,
+                   eval_error=(out - expected).abs().max().item() if pipe.is_last else 0.0)
     dist.destroy_process_group()
 
 
@@ -168,6 +183,18 @@ def test_gpt_errors_name_the_fix():
         assert "rank 0" in found[rank]["error"], (rank, found[rank])
     for rank, r in td._results(_run("gpt", 3), "stage count").items():
         assert "2 stages" in r["error"] and "pass 2 split points" in r["error"], (rank, r)
+
+
+@pytest.mark.parametrize("balance_by", ["params", "time"])
+def test_stages_balanced_without_split_points(balance_by):
+    found = td._results(_run("gpt", 3), f"balanced by {balance_by}")
+    for rank, r in found.items():
+        assert r["eval_error"] <= 1e-10, (rank, r)
+        assert len(r["firsts"]) == 1, (rank, r)  # one stage here
+    firsts = [found[rank]["firsts"][0] for rank in sorted(found)]
+    assert firsts[0] == "tok", firsts
+    if balance_by == "params":  # tok (tied: counted once) + pos, then 4 equal blocks
+        assert firsts == ["tok", "blocks.1", "blocks.3"], firsts
 
 
 @pytest.mark.parametrize("handoffs", ["tagged", "ordered"])

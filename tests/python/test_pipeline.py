@@ -2,6 +2,7 @@
 state_dict, ties, kwargs, batch sizes) and refuses what it cannot trace, naming the line."""
 import math
 import pickle
+import time
 from typing import Any, Callable, Optional
 
 import pytest
@@ -470,6 +471,48 @@ def test_stages_balanced_by_parameter_count() -> None:
     assert max_diff(pipe(idx), plain(idx)) < TOL
     with pytest.raises(ValueError, match="calls only"):
         gpipe.pipeline(gpt(), example_args=idx_of(2), stages=20)
+
+
+class Sleeper(nn.Module):
+    """Equal parameters, unequal time: only profiling tells them apart."""
+
+    def __init__(self, ms: float) -> None:
+        super().__init__()
+        self.ms = ms
+        self.scale = nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        time.sleep(self.ms / 1000)
+        return x * self.scale
+
+
+class Sleepers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.ModuleList(Sleeper(ms) for ms in (1, 1, 1, 30))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.s:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_stages_balanced_by_profiled_time() -> None:
+    model = Sleepers()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    rng = torch.get_rng_state()
+    by_params = gpipe.pipeline(model, example_args=x, stages=2)
+    by_time = gpipe.pipeline(model, example_args=x, stages=2, balance_by="time")
+    firsts = [[next(n.target for n in st.graph.nodes if n.op == "call_module") for st in pipe]
+              for pipe in (by_params, by_time)]
+    assert firsts == [["s.0", "s.2"], ["s.0", "s.3"]]
+    # Profiling left the module as it was: no grads, the same values, the RNG untouched.
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, torch.ones(4, dtype=torch.float64)) for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert max_diff(by_time(x), model(x)) < TOL
+    with pytest.raises(ValueError, match="balance_by must be 'params' or 'time'"):
+        gpipe.pipeline(model, example_args=x, stages=2, balance_by="size")
 
 
 def test_split_point_inside_a_block() -> None:
