@@ -58,6 +58,32 @@ class _Tracer(fx.Tracer):
     def __init__(self, split_points: Sequence[str]) -> None:
         super().__init__()
         self.split_points = list(split_points)
+        #: The pytree structure of what the forward returned (the graph returns its leaves).
+        self.out_spec: Any = None
+
+    def create_args_for_root(self, root_fn: Callable, is_module: bool,
+                             concrete_args: Any = None) -> Tuple[Callable, List[Any]]:
+        """One placeholder per named parameter of the forward, in signature order, and the
+        forward called by keyword. fx's own version patches the code object of the forward
+        it is given, which for a decorated forward (``functools.wraps``, as Hugging Face's)
+        is the wrapper's ``(self, *args, **kwargs)``. The graph returns the pytree leaves of
+        the result, so that a registered container (a ``ModelOutput``) keeps its type: fx
+        would record a dict subclass as a plain dict."""
+        if not is_module:
+            return super().create_args_for_root(root_fn, is_module, concrete_args)
+        target = inspect.unwrap(root_fn)
+        sig = inspect.signature(target)
+        params = [p for p in list(sig.parameters.values())[1:]  # without self
+                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        values = [self._proxy_placeholder(p.name, concrete_args, sig, target) for p in params]
+
+        def forward(root: nn.Module, *args: Any) -> List[Any]:
+            pos = [a for p, a in zip(params, args) if p.kind == p.POSITIONAL_ONLY]
+            kw = {p.name: a for p, a in zip(params, args) if p.kind != p.POSITIONAL_ONLY}
+            leaves, self.out_spec = pytree.tree_flatten(root_fn(root, *pos, **kw))
+            return leaves
+
+        return forward, [self.root, *values]
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return not any(_is_ancestor(qualname, sp) for sp in self.split_points)
@@ -140,7 +166,17 @@ class _Stage(fx.GraphModule):
 
     gpipe_skips: Optional[Tuple[List[Tuple[None, str]], List[Tuple[None, str]]]] = None
 
+    #: Made from torch.export's graph (tracer="export").
+    gpipe_exported = False
+
     def __reduce__(self) -> Any:
+        if self.gpipe_exported:
+            # Unpickling traces the stage's code again: torch.export's guards (a local
+            # function) cannot be saved, and its parameter reads would come back as
+            # constants, outside the state_dict.
+            raise TypeError("a pipe made with gpipe.pipeline(..., tracer='export') cannot be "
+                            "pickled (torch.save); save its state_dict() and build the pipe "
+                            "again, or use tracer='fx' (copy.deepcopy works with both)")
         rebuild, args = super().__reduce__()
         return (_unpickle_stage, (rebuild, args, self.gpipe_skips))
 
@@ -191,7 +227,10 @@ def _trace(module: nn.Module, split_points: Sequence[str],
     tracer = _Tracer(split_points)
     try:
         with _factories_traced():
-            return tracer.trace(module, concrete_args=concrete or None)
+            graph = tracer.trace(module, concrete_args=concrete or None)
+        output = next(n for n in graph.nodes if n.op == "output")
+        output.meta["gpipe_out_spec"] = tracer.out_spec
+        return graph
     except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError... from user code
         frame, owner = _user_frame(exc.__traceback__)
         where, why = "", ""
@@ -264,6 +303,8 @@ class _Cut(NamedTuple):
     key_stages: Dict[str, List[int]]
     #: The Pipe's options, ``batch_dim`` given by name turned into the inputs' order.
     options: Dict[str, Any]
+    #: With torch.export, the training mode the graph was exported in (its ops keep it).
+    exported_training: Optional[bool] = None
 
 
 class _Pipelined:
@@ -283,6 +324,7 @@ class _Pipelined:
         self._out_constants = cut.out_constants
         self._key_order = cut.key_order
         self._key_stages = cut.key_stages
+        self._exported_training = cut.exported_training
         self._register_state_dict_hook(_Pipelined._module_keys)  # type: ignore[attr-defined]
         self._register_load_state_dict_pre_hook(  # type: ignore[attr-defined]
             _Pipelined._stage_keys, with_module=True)
@@ -306,11 +348,25 @@ class _Pipelined:
         return None
 
     def _inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Union[Tensor, Tuple[Tensor, ...]]:
+        exported = getattr(self, "_exported_training", None)
+        if exported is not None and exported != self.training:  # type: ignore[attr-defined]
+            mode = "train" if exported else "eval"
+            raise RuntimeError(f"this pipe was made with tracer='export' from a module in "
+                               f"{mode} mode, and an exported graph keeps that mode (dropout, "
+                               f"BatchNorm's statistics) whatever pipe.train()/eval() say: "
+                               f"call pipe.{mode}(), or call gpipe.pipeline again with the "
+                               f"module in the mode you want (or use tracer='fx', which "
+                               f"follows the mode)")
         try:
             bound = self._signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise TypeError(f"the pipelined module is called as its forward{self._signature}: "
                             f"{exc}") from None
+        for n, p in self._signature.parameters.items():
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and bound.arguments.get(n):
+                raise TypeError(f"this pipeline takes the forward's named parameters only, but "
+                                f"was called with {bound.arguments[n]!r} through "
+                                f"{'**' if p.kind == p.VAR_KEYWORD else '*'}{n}")
         missing = [n for n in self.input_names if n not in bound.arguments]
         if missing:
             raise TypeError(f"this pipeline was traced with the tensor arguments "
@@ -506,15 +562,20 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
     example_args = example_args if isinstance(example_args, tuple) else (example_args,)
     example_kwargs = dict(example_kwargs or {})
     signature = inspect.signature(module.forward)
-    for p in signature.parameters.values():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            raise PipelineError(f"{type(module).__name__}.forward takes *{p.name}: gpipe.pipeline "
-                                f"needs named parameters to map arguments to the Pipe's inputs; "
-                                f"give forward explicit parameters")
     bound = signature.bind(*example_args, **example_kwargs)
+    for p in signature.parameters.values():
+        # *args and **kwargs are allowed (Hugging Face's forwards take **kwargs), left empty.
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and bound.arguments.get(p.name):
+            star = "**" if p.kind == p.VAR_KEYWORD else "*"
+            raise PipelineError(f"{type(module).__name__}.forward takes {star}{p.name} and the "
+                                f"examples pass {bound.arguments[p.name]!r} through it: "
+                                f"gpipe.pipeline needs named parameters to map arguments to the "
+                                f"Pipe's inputs; pass only the forward's named parameters")
     names: List[str] = []
     concrete: Dict[str, Any] = {}
     for name, p in signature.parameters.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
         if name in bound.arguments and isinstance(bound.arguments[name], Tensor):
             names.append(name)
         elif name in bound.arguments:
@@ -527,13 +588,18 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
 
     root = module  # what the stages take their submodules and parameters from
     if tracer == "export":
+        if pipe_options.get("deferred_batch_norm"):
+            raise ValueError("deferred_batch_norm=True needs BatchNorm modules to convert, and "
+                             "tracer='export' turns them into aten ops; use tracer='fx' (its "
+                             "stages keep the module's BatchNorms)")
         root, graph, order = _export(module, bound, names, concrete, pipe_options)
     elif tracer == "fx":
         graph = _trace(module, split_points, concrete)
         # Drop the specialised parameters: fx keeps a placeholder for each (in signature order)
         # and checks on it (``eq`` then ``_assert``); the values are baked into the graph.
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        params = list(signature.parameters)
+        params = [n for n, p in signature.parameters.items()
+                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         if len(placeholders) != len(params):
             raise PipelineError(f"the trace of {type(module).__name__}.forward has "
                                 f"{len(placeholders)} inputs for {len(params)} parameters; "
@@ -636,6 +702,8 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
     info = getattr(graph._codegen, "pytree_info", None)  # torch.export: flat outputs, a spec
     if tracer == "export" and info is not None and info.out_spec is not None:
         out_flat, out_spec = list(output.args[0]), info.out_spec
+    elif "gpipe_out_spec" in output.meta:  # fx: the leaves (_Tracer.create_args_for_root)
+        out_flat, out_spec = list(output.args[0]), output.meta["gpipe_out_spec"]
     out_nodes = [x for x in out_flat if isinstance(x, fx.Node)]
     for x in out_nodes:
         if not isinstance(values.get(x), Tensor):
@@ -677,6 +745,7 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
             result = [env[a] for a in hand[k]]
         g.output(result[0] if len(result) == 1 else tuple(result))
         gm = _Stage(root, g, class_name=f"Stage{k}")
+        gm.gpipe_exported = tracer == "export"
         if skips_out[k] or skips_in[k]:
             gm.gpipe_skips = ([(None, name) for name, _ in skips_out[k]],
                               [(None, name) for name, _ in skips_in[k]])
@@ -704,7 +773,7 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
         dims = [bd.get(n, 0) for n in names]
         options["batch_dim"] = dims if len(dims) > 1 else dims[0]
     return _Cut(stages, names, concrete, signature, out_spec, out_constants, key_order,
-                key_stages, options)
+                key_stages, options, module.training if tracer == "export" else None)
 
 
 def _export(module: nn.Module, bound: inspect.BoundArguments, names: List[str],
@@ -769,7 +838,8 @@ def _balanced_split_points(module: nn.Module, stages: Any, balance_by: str, exam
     signature = inspect.signature(module.forward)
     bound = signature.bind(*args, **(example_kwargs or {}))
     given = {name: bound.arguments.get(name, p.default)
-             for name, p in signature.parameters.items()}
+             for name, p in signature.parameters.items()
+             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     concrete = {name: v for name, v in given.items() if not isinstance(v, Tensor)}
     graph = _trace(module, [], concrete)
     calls: List[str] = []

@@ -1,5 +1,7 @@
 """gpipe.pipeline: a traced nn.Module cut at named submodules equals the module (outputs, grads,
 state_dict, ties, kwargs, batch sizes) and refuses what it cannot trace, naming the line."""
+import collections
+import copy
 import math
 import pickle
 import time
@@ -9,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 import gpipe
 from conftest import TOL, max_diff
@@ -418,6 +421,40 @@ def test_functional_tie_dict_output_flag_unused_and_buffers() -> None:
         pipe(idx)  # traced with double=True; the default False would be another graph
 
 
+Pair2 = collections.namedtuple("Pair2", ["out", "mid"])
+
+
+class Containers(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Any:
+        h = self.a(x)
+        out = self.b(h)
+        if self.kind == "dict":
+            return {"out": out, "mid": h}
+        if self.kind == "list":
+            return [out, h]
+        return Pair2(out, h)
+
+
+@pytest.mark.parametrize("kind", ["dict", "list", "namedtuple"])
+def test_outputs_keep_the_modules_containers(kind: str) -> None:
+    # fx records a returned dict as its immutable_dict: the pipe returns the module's own type.
+    model = Containers(kind).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    pipe = gpipe.pipeline(model, ["b"], x, chunks=2)
+    got, want = pipe(x), model(x)
+    assert type(got) is type(want)
+    assert pytree.tree_structure(got) == pytree.tree_structure(want)
+    assert all(max_diff(g, w) < TOL for g, w in zip(pytree.tree_leaves(got),
+                                                     pytree.tree_leaves(want)))
+    if kind == "dict":
+        got["extra"] = got["out"]  # a plain dict: the caller may add to it
+
+
 def test_pickle_round_trip() -> None:
     import io
     model = gpt()
@@ -822,3 +859,29 @@ def test_batchnorm_running_statistics_one_chunk(tracer: str) -> None:
     assert max_diff(model.a[1].running_mean, plain.a[1].running_mean) < TOL
     assert max_diff(model.a[1].running_var, plain.a[1].running_var) < TOL
     assert int(model.a[1].num_batches_tracked) == 1
+
+
+def test_export_keeps_its_mode_and_refuses_another() -> None:
+    # An exported graph keeps the training mode it was exported in: a call in the other mode
+    # would silently run the wrong BatchNorm, so it is refused; fx follows the mode.
+    model = WithBatchNorm().double().eval()
+    x = torch.randn(8, 3, dtype=torch.float64)
+    pipe = gpipe.pipeline(model, ["c"], x, tracer="export").eval()
+    assert max_diff(pipe(x), model(x)) < TOL
+    pipe.train()
+    with pytest.raises(RuntimeError, match=r"in eval mode.*call pipe.eval\(\)"):
+        pipe(x)
+    with pytest.raises(RuntimeError, match="in eval mode"):
+        pipe.train_step(x, torch.zeros(8, 2, dtype=torch.float64), F.mse_loss)
+    fx_pipe = gpipe.pipeline(model, ["c"], x).train()
+    model.train()
+    plain = twin(model)
+    assert max_diff(fx_pipe(x), plain(x)) < TOL
+    with pytest.raises(ValueError, match="deferred_batch_norm=True.*tracer='fx'"):
+        gpipe.pipeline(model, ["c"], x, tracer="export", deferred_batch_norm=True)
+    # Pickling would trace the stages' code again and lose parameters: refused, naming the way.
+    with pytest.raises(TypeError, match=r"tracer='export'\) cannot be pickled"):
+        pickle.dumps(pipe)
+    copied = copy.deepcopy(pipe.eval())
+    assert list(copied.state_dict()) == list(model.state_dict())
+    assert max_diff(copied(x), model.eval()(x)) < TOL
