@@ -25,6 +25,9 @@ calls :func:`compare.check`; :func:`shrink` simplifies a failing one while the
 same kind of mismatch remains (keeping its schedule; a skip's stash, relays and
 pop go together, so every smaller model stays valid).
 
+About a fifth of the seeds draw a plain ``nn.Module`` for ``gpipe.pipeline`` instead
+(:mod:`modules`; :func:`generate` hands them over, :func:`shrink` leaves them as drawn).
+
 Each option added since the first version (the batch dim variants, train_step,
 skips, ties
 across stages) is drawn from its own generator, seeded by the seed and the option's name, so
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from compare import TOL, Hang, Mismatch, run_config
+from modules import ModuleConfig, draws_module, generate_module
 
 MODES = ("always", "except_last", "never")
 BACKWARDS = ("backward", "grad_inputs", "grad_params", "backward_inputs", "backward_subset")
@@ -334,8 +338,11 @@ def features_of(cfg: Config) -> List[str]:
     return sorted(found)
 
 
-def tie_spans(cfg: Config) -> List[int]:
-    """How many stage boundaries lie between each TiedLinear and the Linear it uses."""
+def tie_spans(cfg: Any) -> List[int]:
+    """How many stage boundaries lie between each TiedLinear and the Linear it uses (in a
+    module configuration: between each tie's two uses of the weight)."""
+    if isinstance(cfg, ModuleConfig):
+        return cfg.tie_spans
     stage = [j for j, b in enumerate(cfg.balance) for _ in range(b)]
     return [stage[i] - stage[s.ref] for i, s in enumerate(cfg.layers)
             if s.kind == "tied" and s.ref is not None]
@@ -573,8 +580,12 @@ def _skip_balance(seed: int, balance: List[int]) -> List[int]:
     return [b - a for a, b in zip([0] + cuts, cuts + [n])]
 
 
-def generate(seed: int) -> Config:
-    """The configuration of ``seed`` (the same on every machine and run)."""
+def generate(seed: int) -> Any:
+    """The configuration of ``seed`` (the same on every machine and run): a
+    :class:`modules.ModuleConfig` for about a fifth of the seeds (:func:`modules.draws_module`),
+    else a :class:`Config`."""
+    if draws_module(seed):
+        return generate_module(seed)
     rng = random.Random(seed)
     start = rng.choices(["flat", "seq", "pair", "masked"], weights=[55, 15, 20, 10])[0]
     grad = lambda: rng.random() < 0.6  # noqa: E731
@@ -737,6 +748,10 @@ def shrink(cfg: Config, found: Mismatch, timeout: float,
            budget: int = 60) -> Tuple[Config, Mismatch]:
     """Greedily simplifies ``cfg`` while a mismatch of ``found``'s kind remains; returns the
     simplest configuration and its mismatch of that kind."""
+    if isinstance(cfg, ModuleConfig):
+        # Not shrunk: dropping a block of a module would rewrite its forward's source (edges,
+        # ties and widths that depend on it); the seed's reproduction is printed as drawn.
+        return cfg, found
     progress = True
     while progress and budget > 0:
         progress = False

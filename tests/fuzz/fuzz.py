@@ -17,7 +17,13 @@ skippable layers is the reference. Where the plain model
 refuses an in-place operation that gpipe's stage hand-over allows on purpose,
 the Pipe is compared against the boundary-cloned model instead; the last line
 counts those configurations. About a seventh of the configurations tie a
-Linear's weight into a later stage. Every configuration whose Pipe ran
+Linear's weight into a later stage. About a fifth of the seeds draw a plain
+``nn.Module`` instead (:mod:`modules`: a chain of blocks whose forward adds,
+concatenates or multiplies in earlier values, ties weights, takes a keyword
+tensor not cut by batch and returns a tensor, tuple, list or dict), cut by
+``gpipe.pipeline`` at 1 to 3 blocks and compared with the module itself, also
+under train_step; they are printed as reproductions as drawn (not shrunk).
+Every configuration whose Pipe ran
 without error runs it again from the same seed (the generator state its
 first run started from), which must give bitwise the same outputs, loss and
 grads: dropout reproducibility and the fixed order of grad sums (README,
@@ -25,8 +31,10 @@ grads: dropout reproducibility and the fixed order of grad sums (README,
 
 The documented run (0:2000, about 30 s on one CPU core) ends::
 
-    fuzz: skips: 438 configurations (306 crossing stages)
-    fuzz: 2000 configurations, 0 mismatches (72 compared against the boundary-cloned model)
+    fuzz: skips: 350 configurations (250 crossing stages)
+    fuzz: pipeline: 406 module configurations through gpipe.pipeline (edge-crossing 331, ...)
+    fuzz: reproducibility: 1698 configurations run again from the same seed, ...
+    fuzz: 2000 configurations, 0 mismatches (55 compared against the boundary-cloned model)
 
 Seed 939 found that freeing a Pipe after its backward raised could hang the
 process (fixed; tests/python/test_skip.py::test_freeing_a_pipe_after_a_backward_error).
@@ -54,7 +62,8 @@ mismatches (C compared against the boundary-cloned model)`` (M counts
 configuration x category); the exit code is 1 when M > 0. The line before
 it counts the configurations run again from the same seed (and those whose
 dropout drew then, by step, checkpoint mode and with several micro-batches),
-the one before it those with skip connections (and those with one
+the one before it the module configurations (:mod:`modules`, by feature), the
+one before that those with skip connections (and those with one
 crossing a stage boundary), the one before it those run with each batch dim variant (the Pipe given
 ``batch_dim`` / ``output_batch_dim``; see ``configs._batch_dims``), and the
 one before that those run with train_step, by schedule ('virtual_stages':
@@ -88,6 +97,10 @@ from compare import CATEGORIES, Hang, check, run_config  # noqa: E402,F401 - che
 from configs import BATCH_DIM_ODDS, MODES, SCHEDULES, generate, shrink  # noqa: E402
 from layers import *  # noqa: E402,F401,F403 - re-exported for older reproductions
 
+#: What the last lines count of the module configurations (see :class:`Summary`).
+PIPELINE_COUNTED = ("pipeline", "edge-crossing", "tie-crossing", "shared-kwarg", "tuple-output",
+                    "dict-output", "train_step")
+
 
 @dataclass
 class Summary:
@@ -104,6 +117,9 @@ class Summary:
     #: Configurations with skip connections, and those with one crossing a stage boundary.
     skips: int = 0
     skips_crossing: int = 0
+    #: Module configurations run through gpipe.pipeline (modules.py), by feature: 'pipeline'
+    #: (all of them), 'edge-crossing', 'tie-crossing', 'shared-kwarg', 'train_step' ...
+    pipelines: Dict[str, int] = field(default_factory=dict)
     #: Configurations whose Pipe run was repeated from the same seed (compare._repeat), and
     #: those whose dropout drew random numbers then: 'drawing', and by step ('drop-in' or the
     #: schedule), checkpoint mode and 'micro-batches' (more than one).
@@ -132,6 +148,10 @@ def run(seeds: Iterable[int], *, only: Sequence[str] = (), skip: Sequence[str] =
             if variant in cfg.features:
                 summary.steps[variant] = summary.steps.get(variant, 0) + 1
         summary.skips += "skips" in cfg.features
+        if "pipeline" in cfg.features:
+            for v in PIPELINE_COUNTED:
+                if v in cfg.features:
+                    summary.pipelines[v] = summary.pipelines.get(v, 0) + 1
         summary.skips_crossing += "skip-crossing" in cfg.features
         if verbose:
             write(f"seed {seed}: {cfg.summary()}")
@@ -146,7 +166,8 @@ def run(seeds: Iterable[int], *, only: Sequence[str] = (), skip: Sequence[str] =
         if found.repeated:
             summary.repeated += 1
         if found.drew:
-            for v in ("drawing", cfg.step or "drop-in", cfg.checkpoint) + (
+            mode = cfg.checkpoint if isinstance(cfg.checkpoint, str) else "per-stage"
+            for v in ("drawing", cfg.step or "drop-in", mode) + (
                     ("micro-batches",) if min(cfg.chunks, cfg.rows) > 1 else ()):
                 summary.drawing[v] = summary.drawing.get(v, 0) + 1
         if found.reference:
@@ -197,7 +218,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "eval, no_grad, pre_grad; backward modes; checkpoint modes; "
                              "train_step, its schedules gpipe, 1f1b, interleaved_1f1b, zb_h1, "
                              "virtual_stages; skips, skip-crossing, skip-namespace, skip-none; "
-                             "tie-crossing)")
+                             "tie-crossing; pipeline: the module configurations, and their "
+                             "edge-crossing, shared-kwarg, tuple-output, dict-output, "
+                             "split-inside...: see modules.module_features)")
     parser.add_argument("--with", dest="needs", default="",
                         help="run only configurations with all of these features (as --without "
                              "names them), e.g. train_step or zb_h1")
@@ -233,6 +256,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"fuzz: batch dims: {variants or 'none'} (configurations; 'batch_dim': the Pipe got "
           f"batch_dim or output_batch_dim)")
     print(f"fuzz: skips: {summary.skips} configurations ({summary.skips_crossing} crossing stages)")
+    counted = ", ".join(f"{v} {summary.pipelines[v]}" for v in PIPELINE_COUNTED[1:]
+                        if v in summary.pipelines)
+    print(f"fuzz: pipeline: {summary.pipelines.get('pipeline', 0)} module configurations "
+          f"through gpipe.pipeline ({counted or 'none'})")
     drawn = ", ".join(f"{v} {summary.drawing[v]}" for v in ("drop-in",) + SCHEDULES + MODES
                       + ("micro-batches",) if v in summary.drawing)
     print(f"fuzz: reproducibility: {summary.repeated} configurations run again from the same "

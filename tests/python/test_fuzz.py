@@ -119,7 +119,9 @@ def test_fixed_seeds_draw_ties_across_stages():
         if "tie-crossing" not in cfg.features:
             continue
         assert max(tie_spans(cfg)) >= 1
-        for v in ("tie-crossing", cfg.checkpoint, "train_step" if cfg.step else "drop-in") + (
+        # A module configuration may checkpoint each stage its own way: counted as 'per-stage'.
+        mode = cfg.checkpoint if isinstance(cfg.checkpoint, str) else "per-stage"
+        for v in ("tie-crossing", mode, "train_step" if cfg.step else "drop-in") + (
                 ("micro-batches",) if min(cfg.chunks, cfg.rows) > 1 else ()):
             drawn[v] = drawn.get(v, 0) + 1
     assert drawn.get("tie-crossing", 0) >= 30, drawn
@@ -158,7 +160,8 @@ def test_train_step_configurations_build_their_pipe_as_drawn():
     fuzz = load_fuzz()
     from configs import _smaller  # noqa: E402 - on sys.path once fuzz.py is loaded
 
-    cfg = next(fuzz.generate(s) for s in SEEDS if fuzz.generate(s).virtual_stages > 1)
+    cfg = next(fuzz.generate(s) for s in SEEDS if fuzz.generate(s).virtual_stages > 1
+               and "pipeline" not in fuzz.generate(s).features)
     body = cfg.body()
     assert f"schedule='interleaved_1f1b', virtual_stages={cfg.virtual_stages}" in body
     assert f"devices=['cpu'] * {len(cfg.balance) // cfg.virtual_stages}," in body
@@ -375,5 +378,65 @@ def test_a_pipe_delivering_a_wrong_skip_is_caught(monkeypatch):
     lines = []
     summary = fuzz.run(seeds, do_shrink=False, write=lines.append)
     assert summary.mismatches >= len(seeds) // 2, lines
-    others = [s for s in SEEDS if "skip-crossing" not in fuzz.generate(s).features][:20]
+    # Not the module configurations: gpipe.pipeline routes values as skips of its own
+    # (test_a_pipeline_delivering_a_wrong_skip_is_caught).
+    others = [s for s in SEEDS if not {"skip-crossing", "pipeline"} & set(
+        fuzz.generate(s).features)][:20]
     assert fuzz.run(others, do_shrink=False, write=lines.append).mismatches == 0, lines
+
+
+def test_fixed_seeds_draw_modules_through_pipeline():
+    """Issue: the fuzzer draws some models as plain nn.Modules through gpipe.pipeline. The fixed
+    range holds at least 30 of them, all matching the module, with edges and ties across
+    stages, a keyword tensor not cut, tuple and dict outputs, a split point inside a block,
+    several micro-batches and train_step under each schedule (virtual stages too)."""
+    fuzz = load_fuzz()
+    summary, lines = fixed_run()
+    drawn = {}
+    for seed in SEEDS:
+        cfg = fuzz.generate(seed)
+        if "pipeline" not in cfg.features:
+            continue
+        for v in cfg.features + (["micro-batches"] if min(cfg.chunks, cfg.rows) > 1 else []):
+            drawn[v] = drawn.get(v, 0) + 1
+    assert drawn.get("pipeline", 0) >= 30, drawn
+    assert summary.pipelines["pipeline"] == drawn["pipeline"], summary.pipelines
+    assert not [line for line in lines if "| module " in line], lines  # all of them match
+    for v in ("edge-crossing", "tie-crossing", "shared-kwarg", "tuple-output", "dict-output",
+              "split-inside", "second-input", "size", "dropout", "micro-batches",
+              "train_step") + tuple(fuzz.SCHEDULES):
+        assert drawn.get(v, 0) >= 2, (v, drawn)
+    assert drawn.get("virtual_stages", 0) >= 1, drawn
+
+
+def test_module_configurations_are_reproducible_from_their_seed():
+    """A module configuration's printed reproduction builds the same module again: the snippet
+    run on its own (as `fuzz.py --seed N` prints it) gives the module the fuzzer checked."""
+    fuzz = load_fuzz()
+    seed = next(s for s in SEEDS if "pipeline" in fuzz.generate(s).features)
+    cfg = fuzz.generate(seed)
+    assert cfg.snippet() == fuzz.generate(seed).snippet()
+    states = []
+    for _ in range(2):
+        namespace = {}
+        exec(compile(cfg.snippet(), f"<seed {seed}>", "exec"), namespace)
+        assert list(namespace["mismatches"]) == []
+        states.append(namespace["ref"].state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(states[0].values(), states[1].values()))
+
+
+def test_a_pipeline_delivering_a_wrong_skip_is_caught(monkeypatch):
+    """The module configurations see what gpipe.pipeline routes: with the values it sends
+    past stages as skips doubled, many of them mismatch."""
+    fuzz = load_fuzz()
+    from gpipe.skip import tracker
+
+    seeds = [s for s in SEEDS if "pipeline" in fuzz.generate(s).features][:12]
+    right = tracker.StageRunner.__call__
+
+    def doubled(self, input, skips=()):
+        return right(self, input, tuple(None if t is None else t * 2 for t in skips))
+
+    monkeypatch.setattr(tracker.StageRunner, "__call__", doubled)
+    lines = []
+    assert fuzz.run(seeds, do_shrink=False, write=lines.append).mismatches >= 2, lines
