@@ -50,6 +50,7 @@
 
 #include <sys/prctl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -389,6 +390,23 @@ int main(int argc, char** argv) {
         "simulated_vs_perfect=%.3f efficiency_vs_traced_cells=%.3f\n",
         r.name.c_str(), static_cast<long long>(sk), static_cast<long long>(sm), r.efficiency,
         r.vs_perfect, r.simulated, r.vs_traced_cells);
+  }
+  // ZB-V, planned and simulated only (the engine does not run a V placement yet): 2K stages
+  // of half the work, so its pairs in flight count half a stage each.
+  {
+    const auto plan = gpipe::detail::zb_v_plan(sk, sm);
+    const auto simulation = gpipe::detail::simulate(plan, {0.5, 1, 0.5, 0.5});
+    const auto one_f_one_b = gpipe::detail::simulate(gpipe::detail::one_f_one_b_plan(sk, sm));
+    const auto peak = *std::max_element(simulation.peak_in_flight.begin(),
+                                        simulation.peak_in_flight.end());
+    const auto baseline = *std::max_element(one_f_one_b.peak_in_flight.begin(),
+                                            one_f_one_b.peak_in_flight.end());
+    std::printf(
+        "BENCH sim plan=zb_v K=%lld M=%lld simulated_vs_perfect=%.3f peak_stages_in_flight=%.1f "
+        "one_f_one_b_peak_stages=%lld\n",
+        static_cast<long long>(sk), static_cast<long long>(sm),
+        static_cast<double>(sm) * 3 / simulation.makespan, static_cast<double>(peak) / 2,
+        static_cast<long long>(baseline));
   }
   return 0;
 }

@@ -71,6 +71,30 @@ Split check_structure(const Plan& plan) {
                                 std::to_string(plan.workers) +
                                 " workers; give one list per worker");
   }
+  if (!plan.placement.empty()) {
+    if (static_cast<int64_t>(plan.placement.size()) != plan.stages) {
+      throw std::invalid_argument("plan places " + std::to_string(plan.placement.size()) +
+                                  " stages but has " + std::to_string(plan.stages) +
+                                  "; give one worker per stage");
+    }
+    std::vector<int64_t> held(at(plan.workers), 0);
+    for (size_t s = 0; s < plan.placement.size(); ++s) {
+      const int64_t w = plan.placement[s];
+      if (w < 0 || w >= plan.workers) {
+        throw std::invalid_argument("plan places stage " + std::to_string(s) + " on worker " +
+                                    std::to_string(w) + " of " + std::to_string(plan.workers));
+      }
+      ++held[at(w)];
+    }
+    const int64_t each = plan.stages / plan.workers;
+    for (int64_t w = 0; w < plan.workers; ++w) {
+      if (held[at(w)] != each) {
+        throw std::invalid_argument("plan places " + std::to_string(held[at(w)]) +
+                                    " stages on worker " + std::to_string(w) + "; every worker "
+                                    "holds the same number (" + std::to_string(each) + ")");
+      }
+    }
+  }
   const size_t stages = at(plan.stages);
   const size_t m = at(plan.microbatches);
   // seen[op][stage][micro-batch]: where the task first appears, or none.
@@ -99,8 +123,10 @@ Split check_structure(const Plan& plan) {
         throw std::invalid_argument(describe(t) + " is in worker " + std::to_string(w) +
                                     "'s list but stage " + std::to_string(t.stage) +
                                     " runs on worker " + std::to_string(plan.worker_of(t.stage)) +
-                                    " (stage mod " + std::to_string(plan.workers) +
-                                    "); move it to that worker's list");
+                                    (plan.placement.empty()
+                                         ? " (stage mod " + std::to_string(plan.workers) + ")"
+                                         : std::string(" (the plan's placement)")) +
+                                    "; move it to that worker's list");
       }
       Seen& s = seen[static_cast<size_t>(t.op)][at(t.stage)][at(t.microbatch)];
       if (s.worker >= 0) {
@@ -314,8 +340,22 @@ std::string to_string(PlanKind kind) {
     case PlanKind::Interleaved1F1B: return "interleaved_1f1b";
     case PlanKind::ZBH1: return "zb_h1";
     case PlanKind::Custom: return "custom";
+    case PlanKind::ZBV: return "zb_v";
   }
   return "unknown";
+}
+
+bool Plan::loop_placement() const noexcept {
+  for (size_t s = 0; s < placement.size(); ++s) {
+    if (placement[s] != static_cast<int64_t>(s) % workers) return false;
+  }
+  return true;
+}
+
+std::vector<int64_t> v_placement(int64_t workers) {
+  std::vector<int64_t> placement;
+  for (int64_t s = 0; s < 2 * workers; ++s) placement.push_back(s < workers ? s : 2 * workers - 1 - s);
+  return placement;
 }
 
 Plan gpipe_plan(int64_t workers, int64_t microbatches) {
@@ -470,9 +510,93 @@ Plan zb_h1_plan(int64_t workers, int64_t microbatches) {
   return plan;
 }
 
+Plan zb_v_plan(int64_t workers, int64_t microbatches) {
+  Plan plan = empty_plan(PlanKind::ZBV, workers, 2, microbatches);
+  plan.placement = v_placement(workers);
+  const int64_t stages = plan.stages;
+  const int64_t budget = std::min(workers, microbatches);
+  struct Worker {
+    int64_t chunk[2];           // chunk 0 (the V going down), chunk 1 (coming back up)
+    int64_t next_f[2] = {0, 0};  // the next micro-batch to forward, per chunk
+    int64_t next_i[2] = {0, 0};  // the next micro-batch to backward (I), per chunk
+    int64_t admitted = 0;       // chunk-0 micro-batches from F until W
+    std::vector<Task> owed;     // I's run whose W has not, oldest first
+  };
+  std::vector<Worker> ws(at(workers));
+  for (int64_t w = 0; w < workers; ++w) ws[at(w)].chunk[0] = w, ws[at(w)].chunk[1] = stages - 1 - w;
+  constexpr int64_t kPending = std::numeric_limits<int64_t>::max();
+  // end[op][stage][micro-batch] in ticks (F and I are waited on).
+  std::vector<std::vector<std::vector<int64_t>>> end(
+      2, std::vector<std::vector<int64_t>>(at(stages),
+                                           std::vector<int64_t>(at(microbatches), kPending)));
+  auto done_by = [&](int op, int64_t s, int64_t i, int64_t tick) {
+    return end[at(op)][at(s)][at(i)] <= tick;
+  };
+  const int64_t total = 3 * stages * microbatches;
+  int64_t placed = 0;
+  // Every tick some worker can move: the oldest micro-batch not yet through
+  // its backward always has a next task that is ready somewhere, and the
+  // admission bound only holds back chunk-0 forwards (checked for W <= 8,
+  // M <= 40 in test_plan.cpp); the bound guards a mistake here.
+  for (int64_t tick = 0; placed < total; ++tick) {
+    if (tick > total + 1) throw std::logic_error("zb_v_plan: the layout made no progress");
+    for (int64_t w = 0; w < workers; ++w) {
+      Worker& me = ws[at(w)];
+      Task t{};
+      bool found = false;
+      // Input grads first, the oldest micro-batch, chunk 1 first on a tie
+      // (its stage comes first on the backward's path).
+      int best = -1;
+      for (int c = 1; c >= 0; --c) {
+        const int64_t s = me.chunk[c], i = me.next_i[c];
+        if (i >= microbatches || !done_by(0, s, i, tick)) continue;
+        if (s + 1 < stages && !done_by(1, s + 1, i, tick)) continue;
+        if (best < 0 || i < me.next_i[best]) best = c;
+      }
+      if (best >= 0) {
+        t = {Op::I, me.chunk[best], me.next_i[best]++};
+        me.owed.push_back(t);
+        found = true;
+      }
+      // Then forwards, likewise; chunk 0 only within the admission bound.
+      best = -1;
+      for (int c = 1; c >= 0 && !found; --c) {
+        const int64_t s = me.chunk[c], i = me.next_f[c];
+        if (i >= microbatches || (c == 0 && me.admitted >= budget)) continue;
+        if (s > 0 && !done_by(0, s - 1, i, tick)) continue;
+        if (best < 0 || i < me.next_f[best]) best = c;
+      }
+      if (!found && best >= 0) {
+        t = {Op::F, me.chunk[best], me.next_f[best]++};
+        if (best == 0) ++me.admitted;
+        found = true;
+      }
+      if (!found && !me.owed.empty()) {
+        t = {Op::W, me.owed.front().stage, me.owed.front().microbatch};
+        me.owed.erase(me.owed.begin());
+        if (t.stage == me.chunk[0]) --me.admitted;
+        found = true;
+      }
+      if (!found) continue;
+      if (t.op != Op::W) end[t.op == Op::F ? 0 : 1][at(t.stage)][at(t.microbatch)] = tick + 1;
+      plan.lists[at(w)].push_back(t);
+      ++placed;
+    }
+  }
+  return plan;
+}
+
 Plan make_plan(PlanKind kind, int64_t workers, int64_t virtual_stages, int64_t microbatches) {
   if (kind == PlanKind::Interleaved1F1B) {
     return interleaved_1f1b_plan(workers, virtual_stages, microbatches);
+  }
+  if (kind == PlanKind::ZBV) {
+    if (virtual_stages != 2) {
+      throw std::invalid_argument("virtual_stages is " + std::to_string(virtual_stages) +
+                                  " but schedule zb_v runs two stages per worker in a V; pass "
+                                  "virtual_stages=2");
+    }
+    return zb_v_plan(workers, microbatches);
   }
   if (virtual_stages != 1) {
     throw std::invalid_argument("virtual_stages is " + std::to_string(virtual_stages) +
@@ -484,7 +608,8 @@ Plan make_plan(PlanKind kind, int64_t workers, int64_t virtual_stages, int64_t m
     case PlanKind::GPipe: return gpipe_plan(workers, microbatches);
     case PlanKind::OneFOneB: return one_f_one_b_plan(workers, microbatches);
     case PlanKind::ZBH1: return zb_h1_plan(workers, microbatches);
-    case PlanKind::Interleaved1F1B: break;
+    case PlanKind::Interleaved1F1B:
+    case PlanKind::ZBV: break;
     case PlanKind::Custom:
       throw std::invalid_argument("a custom plan is given as data (plan_from_csv), not made");
   }
@@ -566,21 +691,44 @@ Plan plan_from_csv(const std::string& text) {
   if (plan.stages % plan.workers != 0) {
     throw std::invalid_argument(
         "the schedule CSV names " + std::to_string(plan.stages) + " stages in " +
-        std::to_string(plan.workers) + " rows; gpipe runs stage s on row s mod " +
-        std::to_string(plan.workers) + ", so the stages must be a multiple of the rows");
+        std::to_string(plan.workers) + " rows; every row must hold as many stages, so the "
+        "stages must be a multiple of the rows");
   }
+  // The placement: the row each stage's tasks are in (one row per stage).
+  plan.placement.assign(at(plan.stages), -1);
   for (size_t w = 0; w < plan.lists.size(); ++w) {
     for (const Task& t : plan.lists[w]) {
-      if (plan.worker_of(t.stage) == static_cast<int64_t>(w)) continue;
-      throw std::invalid_argument(
-          describe(t) + " is in row " + std::to_string(w) + ", but gpipe runs stage " +
-          std::to_string(t.stage) + " on row " + std::to_string(plan.worker_of(t.stage)) +
-          " (stage s on row s mod " + std::to_string(plan.workers) +
-          "; other placements, such as a V, are not supported yet)");
+      int64_t& row = plan.placement[at(t.stage)];
+      if (row < 0) row = static_cast<int64_t>(w);
+      if (row == static_cast<int64_t>(w)) continue;
+      throw std::invalid_argument(describe(t) + " is in row " + std::to_string(w) + ", but stage " +
+                                  std::to_string(t.stage) + " has tasks in row " +
+                                  std::to_string(row) + " too; a stage runs on one row");
     }
   }
+  for (size_t s = 0; s < plan.placement.size(); ++s) {
+    if (plan.placement[s] < 0) {
+      throw std::invalid_argument("the schedule CSV names stages up to " +
+                                  std::to_string(plan.stages - 1) + " but none of stage " +
+                                  std::to_string(s) + "'s actions; give each stage's F and B "
+                                  "(or I and W) for every micro-batch");
+    }
+  }
+  if (plan.loop_placement()) plan.placement.clear();
   validate(plan);
   return plan;
+}
+
+void require_loop_placement(const Plan& plan) {
+  for (int64_t s = 0; s < plan.stages; ++s) {
+    if (plan.worker_of(s) == s % plan.workers) continue;
+    throw std::invalid_argument(
+        "the schedule runs stage " + std::to_string(s) + " on row " +
+        std::to_string(plan.worker_of(s)) + ", but gpipe runs stage s on row s mod " +
+        std::to_string(plan.workers) + " (other placements, such as ZB-V's V, are planned "
+        "and simulated but not run yet); move stage " + std::to_string(s) +
+        "'s actions to row " + std::to_string(s % plan.workers));
+  }
 }
 
 std::string plan_to_csv(const Plan& plan) {

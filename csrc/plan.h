@@ -1,9 +1,11 @@
 // plan.h — a training step's schedule as data: each worker's ordered F/B/I/W tasks; generators, validator, simulation. No torch.
 //
 // `train_step` runs the whole step inside the pipeline, so forwards and
-// backwards may interleave. A plan gives each worker (one per device today,
-// one per process later) the tasks it runs, in order. Stage s of S runs on
-// worker s mod W (S = v·W with v virtual stages per worker). A task is
+// backwards may interleave. A plan gives each worker (one per device, or one
+// per process) the tasks it runs, in order. Which worker runs each stage is
+// part of the plan (`placement`): a loop by default, stage s of S on worker
+// s mod W (S = v·W with v virtual stages per worker), or ZB-V's V, where
+// worker w holds stages w and 2W-1-w. A task is
 //
 //   F(s, i)  forward of micro-batch i through stage s; on the last stage
 //            followed by the loss of micro-batch i and its grad
@@ -49,10 +51,11 @@ std::ostream& operator<<(std::ostream& out, const Task& task);
 std::string describe(const Task& task);
 
 /// Which plan a Pipe's train_step runs (see gpipe::Schedule); Custom: a
-/// plan given as data (`plan_from_csv`).
-enum class PlanKind : uint8_t { GPipe, OneFOneB, Interleaved1F1B, ZBH1, Custom };
+/// plan given as data (`plan_from_csv`). ZBV is planned and simulated here;
+/// the engine runs loop placements only so far (Engine::set_plan refuses a V).
+enum class PlanKind : uint8_t { GPipe, OneFOneB, Interleaved1F1B, ZBH1, Custom, ZBV };
 
-/// "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "custom".
+/// "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "custom", "zb_v".
 std::string to_string(PlanKind kind);
 
 struct Plan {
@@ -63,9 +66,21 @@ struct Plan {
   int64_t microbatches = 0;
   /// lists[w]: the tasks of worker w in the order it runs them.
   std::vector<std::vector<Task>> lists;
+  /// placement[s]: the worker that runs stage s; empty for the loop, stage
+  /// s on worker s mod W. Every worker holds stages / workers stages.
+  std::vector<int64_t> placement;
 
-  int64_t worker_of(int64_t stage) const noexcept { return stage % workers; }
+  int64_t worker_of(int64_t stage) const noexcept {
+    return placement.empty() ? stage % workers : placement[static_cast<size_t>(stage)];
+  }
+  /// Whether stage s runs on worker s mod W.
+  bool loop_placement() const noexcept;
 };
+
+/// ZB-V's placement of 2W stages on W workers: stage s < W on worker s,
+/// stage s >= W on worker 2W-1-s (so the first and the last stage share
+/// worker 0, and the turn of the V, stages W-1 and W, worker W-1).
+std::vector<int64_t> v_placement(int64_t workers);
 
 /// The generators. Each throws std::invalid_argument naming the bad count
 /// (workers, virtual stages or micro-batches below 1).
@@ -85,7 +100,19 @@ Plan interleaved_1f1b_plan(int64_t workers, int64_t virtual_stages, int64_t micr
 /// under 1F1B. With M >= W each worker idles (W - 1)(f + i - w) instead of
 /// 1F1B's (W - 1)(f + b).
 Plan zb_h1_plan(int64_t workers, int64_t microbatches);
-/// The plan of `kind`; `virtual_stages` must be 1 except for interleaved.
+/// ZB-V (Qi et al., ICLR 2024): 2W stages in a V (`v_placement`), every B
+/// split into I and W. Laid out tick by tick with every task one tick: each
+/// worker runs a ready I if it has one (its chunk-1 stage first, then the
+/// oldest micro-batch: the backward's critical path), else a ready F (the
+/// oldest micro-batch, chunk 1 first), else the oldest W it owes, else
+/// idles. A worker admits at most min(W, M) micro-batches into its chunk-0
+/// stage before their W's, so no worker holds more than 2·min(W, M)
+/// (stage, micro-batch) pairs in flight, each half a 1F1B stage: 1F1B's
+/// peak activation memory. Simulated with f = i = w (test_plan.cpp,
+/// bench/sim): 0.965 of perfect at W = 8, M = 32.
+Plan zb_v_plan(int64_t workers, int64_t microbatches);
+/// The plan of `kind`; `virtual_stages` must be 1 except for interleaved
+/// (any) and zb_v (2).
 Plan make_plan(PlanKind kind, int64_t workers, int64_t virtual_stages, int64_t microbatches);
 
 /// Throws std::invalid_argument naming the first problem: a task on the
@@ -113,8 +140,9 @@ struct Simulation {
   /// Idle fraction of the workers until the makespan:
   /// 1 - work / (workers * makespan).
   double bubble = 0;
-  /// Peak count per worker of micro-batches whose activations are held
-  /// (from F until B, or until W when split).
+  /// Peak count per worker of (stage, micro-batch) pairs whose activations
+  /// are held (from F until B, or until W when split). With v stages per
+  /// worker each pair is 1/v of a one-stage-per-worker plan's.
   std::vector<int64_t> peak_in_flight;
 };
 
@@ -124,10 +152,14 @@ struct Simulation {
 /// is an idle tick. Communication is derived from the tasks, so the format's
 /// communication and FSDP actions (SEND_F, RECV_B, UNSHARD, ...) are refused,
 /// naming them. Workers, stages and micro-batches are the rows and the
-/// largest indices seen; the plan is checked with `validate` (a task in the
-/// wrong row names the row its stage runs on: stage s on worker s mod W).
+/// largest indices seen; each stage's tasks must all be in one row, which
+/// gives the placement (a loop, a V, or any other with as many stages in
+/// each row); the plan is checked with `validate`.
 /// Throws std::invalid_argument naming the row, the cell and the fix.
 Plan plan_from_csv(const std::string& text);
+/// Throws std::invalid_argument naming the first stage that `plan` runs on
+/// another row than s mod W: the engine runs loop placements only so far.
+void require_loop_placement(const Plan& plan);
 /// The plan as that CSV: one row per worker, no idle cells.
 std::string plan_to_csv(const Plan& plan);
 

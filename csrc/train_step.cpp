@@ -216,6 +216,7 @@ void Engine::set_plan(Plan plan) {
                     " micro-batches but chunks is ", chunks_, "; pass chunks=",
                     plan.microbatches, " or a schedule for ", chunks_, " micro-batches");
   try {
+    require_loop_placement(plan);
     validate(plan);
   } catch (const std::invalid_argument& e) {
     GPIPE_CHECK_VALUE(false, e.what());

@@ -70,7 +70,9 @@ void reraise_python(const gpipe::CellError& error) {
 // A schedule CSV's plan; ValueError naming the bad cell or task.
 detail::Plan plan_from_csv_or_raise(const std::string& text) {
   try {
-    return detail::plan_from_csv(text);
+    detail::Plan plan = detail::plan_from_csv(text);
+    detail::require_loop_placement(plan);  // a Schedule is for running
+    return plan;
   } catch (const std::invalid_argument& e) {
     throw py::value_error(e.what());
   }

@@ -108,8 +108,9 @@ def test_from_rows_takes_torchs_pipeline_order_with_idle_ticks():
 @pytest.mark.parametrize("text,words", [
     ("0F0,0Q1\n", ["row 0, cell 1 ('0Q1') is not an action", "'0F3'"]),
     ("0F0,0SEND_F0,0B0\n", ["SEND_F is not a compute action", "compute_only"]),
-    ("0F0,1F0,1B0,0B0\n2F0,3F0,3B0,2B0\n", ["is in row 0, but gpipe runs stage 1 on row 1",
-                                            "not supported yet"]),
+    ("0F0,1F0,1B0,0B0\n2F0,3F0,3B0,2B0\n", ["runs stage 1 on row 0, but gpipe runs stage s on "
+                                            "row s mod 2", "not run yet",
+                                            "move stage 1's actions to row 1"]),
     ("0F0,0F1,0B0\n1F0,1F1,1B0,1B1\n", ["B(stage 0, micro-batch 1) is missing"]),
     ("0B0,0F0\n1F0,1B0\n", ["deadlock"]),
 ])
