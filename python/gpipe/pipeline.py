@@ -652,7 +652,7 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
                              f"submodule the forward calls")
         begins.append((index[first], sp))
     begins.sort()
-    if begins[0][0] == 0 or any(a[0] == b[0] for a, b in zip(begins, begins[1:])):
+    if (begins and begins[0][0] == 0) or any(a[0] == b[0] for a, b in zip(begins, begins[1:])):
         raise ValueError(f"split points {[sp for _, sp in begins]} leave an empty stage; "
                          f"choose submodules used at different points of the forward")
     n_stages = len(begins) + 1

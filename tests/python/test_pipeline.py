@@ -508,6 +508,10 @@ def test_stages_balanced_by_parameter_count() -> None:
     assert max_diff(pipe(idx), plain(idx)) < TOL
     with pytest.raises(ValueError, match="calls only"):
         gpipe.pipeline(gpt(), example_args=idx_of(2), stages=20)
+    # One stage: no split point at all.
+    for one in (gpipe.pipeline(model, example_args=idx_of(2), stages=1),
+                gpipe.pipeline(model, [], idx_of(2))):
+        assert len(one) == 1 and max_diff(one(idx), plain(idx)) < TOL
 
 
 class Sleeper(nn.Module):
