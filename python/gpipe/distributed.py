@@ -903,8 +903,25 @@ def get_state_dict(model: nn.Module, optimizers: Any, *, submodules: Any = None,
     ``submodules`` and the other ``options`` are torch's.
     """
     from torch.distributed.checkpoint import state_dict as sd
-    return sd.get_state_dict(model, optimizers, submodules=submodules,
-                             options=_pipeline_options(options))
+    if not isinstance(model, _Pipelined):
+        return sd.get_state_dict(model, optimizers, submodules=submodules,
+                                 options=_pipeline_options(options))
+    # A pipe from gpipe.pipeline: torch names parameters by named_parameters() ('2.ln_f.weight');
+    # the dicts are renamed to the module's keys ('ln_f.weight'), so the checkpoint loads into
+    # the module itself too.
+    with model._stage_names():
+        model_sd, optim_sd = sd.get_state_dict(model, optimizers, submodules=submodules,
+                                               options=_pipeline_options(options))
+    return ({model._module_key(k): v for k, v in model_sd.items()},
+            {_optim_key(k, model._module_key): v for k, v in optim_sd.items()})
+
+
+def _optim_key(key: str, rename: Callable[[str], str]) -> str:
+    """A flattened optimizer key ('state.<fqn>.<field>', 'param_groups.<fqn>.<field>') with
+    its parameter name renamed; the field is the last dotted part."""
+    kind, _, rest = key.partition(".")
+    fqn, _, field = rest.rpartition(".")
+    return f"{kind}.{rename(fqn)}.{field}" if kind in ("state", "param_groups") and fqn else key
 
 
 def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: Dict[str, Any],
@@ -914,9 +931,26 @@ def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: Dict[
     with the optimizer's state flattened likewise. Returns torch's missing and unexpected
     keys."""
     from torch.distributed.checkpoint import state_dict as sd
-    return sd.set_state_dict(model, optimizers, model_state_dict=model_state_dict,
-                             optim_state_dict=optim_state_dict,
-                             options=_pipeline_options(options))
+    if not isinstance(model, _Pipelined):
+        return sd.set_state_dict(model, optimizers, model_state_dict=model_state_dict,
+                                 optim_state_dict=optim_state_dict,
+                                 options=_pipeline_options(options))
+    # A pipe from gpipe.pipeline: the module's keys back to this rank's stages' names (a key
+    # of a parameter two local stages use goes to both).
+    model_sd = {stage_key: v for k, v in model_state_dict.items()
+                for stage_key in model._stage_keys_of(k)}
+    optim_sd: Dict[str, Any] = {}
+    for k, v in optim_state_dict.items():
+        kind, _, rest = k.partition(".")
+        fqn, _, field = rest.rpartition(".")
+        if kind not in ("state", "param_groups") or not fqn:
+            optim_sd[k] = v
+            continue
+        for stage_key in model._stage_keys_of(fqn):
+            optim_sd[f"{kind}.{stage_key}.{field}"] = v
+    with model._stage_names():
+        return sd.set_state_dict(model, optimizers, model_state_dict=model_sd,
+                                 optim_state_dict=optim_sd, options=_pipeline_options(options))
 
 
 def grad_scaler(pipe: Pipe, *, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,

@@ -395,10 +395,35 @@ class _Pipelined:
         leaves = [next(it) if c is None else c[0] for c in self._out_constants]
         return pytree.tree_unflatten(leaves, self._out_spec)
 
+    @contextlib.contextmanager
+    def _stage_names(self) -> Iterator[None]:
+        """Meanwhile ``state_dict()`` and ``load_state_dict`` use the stages' names
+        ('<stage>.<key>', as ``named_parameters()``), which torch.distributed.checkpoint's
+        state_dict functions need."""
+        self._raw_keys = True
+        try:
+            yield
+        finally:
+            self._raw_keys = False
+
+    def _module_key(self, key: str) -> str:
+        """'<stage>.<key>' -> '<key>' (other keys as they are)."""
+        stage, _, rest = key.partition(".")
+        return rest if stage.isdigit() and rest in self._key_stages else key
+
+    def _stage_keys_of(self, key: str) -> List[str]:
+        """'<key>' -> '<stage>.<key>' for each stage here holding it ([key] for other keys)."""
+        if key not in self._key_stages:
+            return [key]
+        local = self._local_stages()
+        return [f"{k}.{key}" for k in self._key_stages[key] if local is None or k in local]
+
     @staticmethod
     def _module_keys(self: "_Pipelined", state_dict: Dict[str, Any], prefix: str,
                      local_metadata: Any) -> None:
         """state_dict hook: '<stage>.<key>' -> '<key>', in the module's key order."""
+        if getattr(self, "_raw_keys", False):
+            return
         mine = {}
         for key in [k for k in state_dict if k.startswith(prefix)]:
             stage, _, rest = key[len(prefix):].partition(".")
@@ -416,6 +441,8 @@ class _Pipelined:
         """load_state_dict pre-hook: '<key>' -> '<stage>.<key>' for each stage holding it
         here; a key only other ranks' stages hold is theirs to load, and dropped."""
         self._load_prefix = prefix
+        if getattr(self, "_raw_keys", False):
+            return
         local = self._local_stages()
         for key in [k for k in state_dict if k.startswith(prefix)]:
             rest = key[len(prefix):]
@@ -428,6 +455,8 @@ class _Pipelined:
     @staticmethod
     def _missing_as_module_keys(self: "_Pipelined", incompatible: Any) -> None:
         """load_state_dict post-hook: missing keys named as the module names them."""
+        if getattr(self, "_raw_keys", False):
+            return
         named = []
         for key in incompatible.missing_keys:
             stage, _, rest = key[len(self._load_prefix):].partition(".")

@@ -155,6 +155,41 @@ def _worker_unet() -> None:
     dist.destroy_process_group()
 
 
+def _worker_dcp() -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import gpipe.distributed
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    torch.manual_seed(1)
+    model = gpt()
+    pipe = gpipe.distributed.pipeline(model, ["blocks.1", "blocks.3"], (idx_of(2),), chunks=2)
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    torch.manual_seed(2)
+    idx, tgt = idx_of(4), idx_of(4)
+    pipe.train_step((idx,) if pipe.is_first else None, tgt if pipe.is_last else None,
+                    loss_fn=lm_loss)
+    opt.step()
+    model_sd, optim_sd = gpipe.distributed.get_state_dict(pipe, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.environ["CHECKPOINT"])
+    # Every value this rank saved, by the module's names, for the test to compare.
+    sums = {k: v.double().sum().item() for k, v in model_sd.items()}
+    sums.update({k: v.double().sum().item() for k, v in optim_sd.items()
+                 if isinstance(v, torch.Tensor) and k.endswith(".exp_avg")})
+    # The same dicts load back into a fresh pipe, optimizer state included.
+    torch.manual_seed(3)
+    other = gpipe.distributed.pipeline(gpt(), ["blocks.1", "blocks.3"], (idx_of(2),), chunks=2)
+    other_opt = torch.optim.Adam(other.parameters(), lr=0.01)
+    gpipe.distributed.set_state_dict(other, other_opt, model_state_dict=model_sd,
+                                     optim_state_dict=optim_sd)
+    same = all(torch.equal(a, b) for a, b in zip(other.parameters(), pipe.parameters())) and all(
+        torch.equal(other_opt.state[a]["exp_avg"], opt.state[b]["exp_avg"])
+        for a, b in zip(other.parameters(), pipe.parameters()))
+    td._report(check="dcp", keys=sorted(model_sd), sums=sums, reloaded=same)
+    dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_gpt_over_three_ranks_equals_the_module(schedule):
     found = td._results(_run("gpt", 3), schedule)
@@ -185,6 +220,39 @@ def test_gpt_errors_name_the_fix():
         assert "2 stages" in r["error"] and "pass 2 split points" in r["error"], (rank, r)
 
 
+def test_dcp_checkpoint_of_the_pipes_loads_into_the_plain_module(tmp_path):
+    # torch.distributed.checkpoint names parameters by named_parameters() ('2.ln_f.weight'):
+    # gpipe.distributed.get_state_dict renames them to the module's keys, so the ranks'
+    # checkpoint loads into the plain module (here in this process, without a group).
+    import torch.distributed.checkpoint as dcp
+
+    import gpipe.distributed
+
+    path = str(tmp_path / "checkpoint")
+    run = td._spawn("dcp", 3, script=os.path.abspath(__file__), CHECKPOINT=path)
+    found = td._results(run, "dcp")
+    plain = gpt()
+    opt = torch.optim.Adam(plain.parameters(), lr=0.01)
+    for p in plain.parameters():  # the optimizer's state exists, to be filled in
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    model_sd, optim_sd = gpipe.distributed.get_state_dict(plain, opt)
+    assert sorted(set().union(*[r["keys"] for r in found.values()])) == sorted(model_sd)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    gpipe.distributed.set_state_dict(plain, opt, model_state_dict=state["model"],
+                                     optim_state_dict=state["optim"])
+    mine = {k: v.double().sum().item() for k, v in plain.state_dict().items()}
+    # (The tied head's replica on the last rank saved its state under 'lm_head.weight': the
+    # replicas are equal, so the plain module's one parameter matches both.)
+    mine.update({f"state.{n}.exp_avg": opt.state[p]["exp_avg"].double().sum().item()
+                 for n, p in plain.named_parameters(remove_duplicate=False)})
+    for rank, r in found.items():
+        assert r["reloaded"], (rank, r)
+        for key, value in r["sums"].items():
+            assert abs(mine[key] - value) <= 1e-12 * max(1.0, abs(value)), (rank, key)
+
+
 @pytest.mark.parametrize("balance_by", ["params", "time"])
 def test_stages_balanced_without_split_points(balance_by):
     found = td._results(_run("gpt", 3), f"balanced by {balance_by}")
@@ -211,4 +279,4 @@ def test_unet_skip_across_ranks_equals_the_module(schedule, handoffs):
 
 
 if __name__ == "__main__":
-    {"gpt": _worker_gpt, "unet": _worker_unet}[sys.argv[1]]()
+    {"gpt": _worker_gpt, "unet": _worker_unet, "dcp": _worker_dcp}[sys.argv[1]]()
