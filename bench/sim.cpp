@@ -147,6 +147,7 @@ const std::vector<ScheduleCase> kScheduleCases = {
     {"interleaved_1f1b", gpipe::Schedule::Interleaved1F1B,
      gpipe::detail::PlanKind::Interleaved1F1B, 2},
     {"zb_h1", gpipe::Schedule::ZBH1, gpipe::detail::PlanKind::ZBH1, 1},
+    {"zb_v", gpipe::Schedule::ZBV, gpipe::detail::PlanKind::ZBV, 2},
 };
 
 // The schedule's closed-form efficiency against perfect parallelism, for a
@@ -158,6 +159,9 @@ double bound_of(const ScheduleCase& c, int64_t k, int64_t m) {
       return M / (M + (K - 1) / static_cast<double>(c.v));
     case gpipe::detail::PlanKind::ZBH1:
       return 3 * M / (3 * M + K - 1);
+    case gpipe::detail::PlanKind::ZBV:  // no closed form: its plan, simulated
+      return 3 * M / gpipe::detail::simulate(gpipe::detail::zb_v_plan(k, m), {0.5, 1, 0.5, 0.5})
+                         .makespan;
     default:
       return M / (M + K - 1);
   }
@@ -391,8 +395,8 @@ int main(int argc, char** argv) {
         r.name.c_str(), static_cast<long long>(sk), static_cast<long long>(sm), r.efficiency,
         r.vs_perfect, r.simulated, r.vs_traced_cells);
   }
-  // ZB-V, planned and simulated only (the engine does not run a V placement yet): 2K stages
-  // of half the work, so its pairs in flight count half a stage each.
+  // ZB-V's plan against 1F1B's memory: 2K stages of half the work, so its pairs in flight
+  // count half a stage each.
   {
     const auto plan = gpipe::detail::zb_v_plan(sk, sm);
     const auto simulation = gpipe::detail::simulate(plan, {0.5, 1, 0.5, 0.5});

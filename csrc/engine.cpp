@@ -179,6 +179,8 @@ PlanKind plan_kind(gpipe::Schedule schedule) {
       return PlanKind::Interleaved1F1B;
     case gpipe::Schedule::ZBH1:
       return PlanKind::ZBH1;
+    case gpipe::Schedule::ZBV:
+      return PlanKind::ZBV;
   }
   return PlanKind::GPipe;
 }
@@ -246,8 +248,8 @@ std::vector<int> intra_op_split(const std::vector<c10::Device>& devices, int64_t
 
 namespace {
 
-// The first `workers` of `devices`: one per worker (stage s runs on worker
-// s mod workers, on devices[s mod workers]).
+// The first `workers` of `devices`: one per worker (stage s < workers runs
+// on worker s, on devices[s], in a loop or a V placement alike).
 std::vector<c10::Device> worker_devices(const std::vector<c10::Device>& devices, size_t stages,
                                         int64_t virtual_stages) {
   TORCH_INTERNAL_ASSERT(virtual_stages >= 1 && stages % static_cast<size_t>(virtual_stages) == 0);
@@ -301,13 +303,23 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
     stages_.push_back(std::make_unique<Stage>(index, std::move(layers[j]), devices[j]));
   }
   skips_ = Skips({}, stages());
+  // Which worker runs each stage: a loop (s mod W) but for ZB-V's V.
+  if (plan == PlanKind::ZBV && !transport_) {
+    GPIPE_CHECK_VALUE(all_stages_ == 2 * workers(), "schedule zb_v runs two stages per device "
+                      "in a V, but got ", all_stages_, " stages on ", workers(),
+                      " devices; pass virtual_stages=2 (balance with 2 entries per device)");
+    placement_ = v_placement(workers());
+  }
+  GPIPE_CHECK_VALUE(plan != PlanKind::ZBV || !transport_, "schedule zb_v runs within one "
+                    "process so far (its V placement is not taught to the ranks yet); use zb_h1 "
+                    "or interleaved_1f1b over a process group");
   // The RNG rule (rng.h): a default generator that stages on two or more
   // workers draw from is shared; there, cells get streams of their own.
   // (Over a process group one worker runs all of this rank's stages.)
   std::map<const void*, std::set<int64_t>> drawn_by;
   for (size_t j = 0; j < stages_.size(); ++j) {
     for (const auto& g : generators_for(stages_[j]->device())) {
-      drawn_by[g.unsafeGetGeneratorImpl()].insert(static_cast<int64_t>(j) % workers());
+      drawn_by[g.unsafeGetGeneratorImpl()].insert(worker_of(static_cast<int64_t>(j)));
     }
   }
   for (auto& stage : stages_) {
@@ -393,7 +405,7 @@ std::vector<Payload> Engine::execute(const Schedule& schedule, std::vector<Paylo
                                      const CellFn& cell, const at::ThreadLocalState& state,
                                      const std::vector<bool>& inline_stages) {
   try {
-    return executor_.run(schedule, std::move(sources), cell, state, inline_stages);
+    return executor_.run(schedule, std::move(sources), cell, state, inline_stages, placement_);
   } catch (const CellError& e) {
     if (error_hook_) error_hook_(e);
     throw;

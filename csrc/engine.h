@@ -275,6 +275,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// The pipeline's stages in all (over a group: every rank's).
   int64_t all_stages() const noexcept { return all_stages_; }
   int64_t workers() const noexcept { return executor_.workers(); }
+  /// The worker that runs stage `stage` of this process: stage mod W, or
+  /// ZB-V's V (plan.h, v_placement).
+  int64_t worker_of(int64_t stage) const noexcept {
+    return placement_.empty() ? stage % workers() : placement_[static_cast<size_t>(stage)];
+  }
   /// How batches travel between stages: "in-process", or over a group
   /// "tagged" (Gloo) or "ordered" (NCCL; see transport_c10d.h).
   const char* handoffs() const noexcept {
@@ -408,6 +413,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   /// workers (the RNG rule, rng.h).
   bool shared_generators_ = false;
   int64_t virtual_stages_;
+  /// placement_[s]: the worker of stage s; empty for the loop (s mod W).
+  std::vector<int64_t> placement_;
   PlanKind plan_kind_;
   /// The last plan made, for its micro-batch count.
   std::optional<Plan> plan_;

@@ -211,8 +211,11 @@ void Executor::dispatch(const Job& job, const at::ThreadLocalState& state,
 
 std::vector<Payload> Executor::run(const Schedule& schedule, std::vector<Payload> sources,
                                    const CellFn& cell, const at::ThreadLocalState& state,
-                                   const std::vector<bool>& inline_stages) {
+                                   const std::vector<bool>& inline_stages,
+                                   const std::vector<int64_t>& placement) {
   const auto stages = static_cast<int64_t>(schedule.stages.size());
+  TORCH_CHECK(placement.empty() || static_cast<int64_t>(placement.size()) == stages,
+              "placement has ", placement.size(), " entries for ", stages, " stages");
   TORCH_CHECK(stages >= workers() && stages % workers() == 0, "schedule has ", stages,
               " stages for ", workers(), " workers; it needs a multiple of them");
   TORCH_CHECK(static_cast<int64_t>(sources.size()) == schedule.microbatches, "got ",
@@ -237,6 +240,9 @@ std::vector<Payload> Executor::run(const Schedule& schedule, std::vector<Payload
     return !inline_stages.empty() && inline_stages[static_cast<size_t>(j)];
   };
   const auto w_count = workers();
+  auto worker_of = [&](int64_t j) {
+    return placement.empty() ? j % w_count : placement[static_cast<size_t>(j)];
+  };
   // A worker with one stage runs that stage's list. A worker with several
   // (virtual stages), and the calling thread for the inline stages, follow
   // one global order (serialize's, which each stage's own list agrees
@@ -245,7 +251,7 @@ std::vector<Payload> Executor::run(const Schedule& schedule, std::vector<Payload
   if (stages > w_count || !inline_stages.empty()) order = serialize(schedule);
   std::vector<bool> idle(static_cast<size_t>(w_count), true);
   for (int64_t j = 0; j < stages; ++j) {
-    if (!runs_inline(j)) idle[static_cast<size_t>(j % w_count)] = false;
+    if (!runs_inline(j)) idle[static_cast<size_t>(worker_of(j))] = false;
   }
   const Job job = [&](int64_t w) {
     if (stages == w_count) {
@@ -257,7 +263,7 @@ std::vector<Payload> Executor::run(const Schedule& schedule, std::vector<Payload
     }
     for (const auto& step : order) {
       if (run.mail.cancelled()) break;
-      if (step.stage % w_count == w && !runs_inline(step.stage)) {
+      if (worker_of(step.stage) == w && !runs_inline(step.stage)) {
         perform(run, step.stage, step.action);
       }
     }

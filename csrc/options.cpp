@@ -29,6 +29,8 @@ std::string to_string(Schedule schedule) {
       return "interleaved_1f1b";
     case Schedule::ZBH1:
       return "zb_h1";
+    case Schedule::ZBV:
+      return "zb_v";
   }
   return "unknown";
 }

@@ -64,7 +64,16 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
                     "; it is the number of stages per device");
   auto table = detail::schedule_table(options_.schedule_csv(), v);
   options_.virtual_stages(v);
-  GPIPE_CHECK_VALUE(v == 1 || table || options_.schedule() == Schedule::Interleaved1F1B,
+  const bool v_shape = !table && options_.schedule() == Schedule::ZBV;
+  if (v_shape) {
+    // ZB-V runs two stages per device in a V.
+    GPIPE_CHECK_VALUE(v == 1 || v == 2, "virtual_stages is ", v, " but schedule zb_v runs two "
+                      "stages per device; leave virtual_stages at 1 or pass 2");
+    v = 2;
+    options_.virtual_stages(v);
+  }
+  GPIPE_CHECK_VALUE(v == 1 || table || v_shape ||
+                        options_.schedule() == Schedule::Interleaved1F1B,
                     "virtual_stages is ", v, " but schedule ", options_.schedule(),
                     " runs one stage per device; use Schedule::Interleaved1F1B, or virtual_stages 1");
 
@@ -108,9 +117,11 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
                     devices.size() == 1 ? " is" : " are", " given ", listed(devices),
                     "; pass at least one device per stage, or fewer stages");
   devices.erase(devices.begin() + static_cast<std::ptrdiff_t>(workers), devices.end());
-  // Stage j runs on worker j mod W, on its device.
+  // Stage j runs on worker j mod W, on its device (ZB-V: worker j, then back, 2W-1-j).
   std::vector<c10::Device> stage_devices;
-  for (size_t j = 0; j < stages; ++j) stage_devices.push_back(devices[j % workers]);
+  for (size_t j = 0; j < stages; ++j) {
+    stage_devices.push_back(devices[v_shape && j >= workers ? 2 * workers - 1 - j : j % workers]);
+  }
 
   // A tensor two layers share (tied weights) must live where both run:
   // refuse before anything moves, naming both uses (on one device it is fine).

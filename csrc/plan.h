@@ -51,8 +51,9 @@ std::ostream& operator<<(std::ostream& out, const Task& task);
 std::string describe(const Task& task);
 
 /// Which plan a Pipe's train_step runs (see gpipe::Schedule); Custom: a
-/// plan given as data (`plan_from_csv`). ZBV is planned and simulated here;
-/// the engine runs loop placements only so far (Engine::set_plan refuses a V).
+/// plan given as data (`plan_from_csv`). ZBV places its stages in a V: the
+/// in-process engine runs it; tables and ranks run loop placements only so
+/// far (`require_loop_placement`).
 enum class PlanKind : uint8_t { GPipe, OneFOneB, Interleaved1F1B, ZBH1, Custom, ZBV };
 
 /// "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "custom", "zb_v".

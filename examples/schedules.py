@@ -4,8 +4,8 @@ Run with no arguments (or with a folder to draw the timelines into):
 
     python examples/schedules.py [folder]
 
-The model: 8 layers on 4 CPU stages (interleaved_1f1b: 8 stages, 2 per
-worker), each layer a simulated device kernel: its forward sleeps t, the
+The model: 8 layers on 4 CPU stages (interleaved_1f1b and zb_v: 8 stages, 2
+per worker; zb_v's in a V, worker w running stages w and 7 - w), each layer a simulated device kernel: its forward sleeps t, the
 grad of its input another t (I) and the grad of its weight another t (W),
 so a backward takes 2t and zero bubble can run its two halves apart. A
 sleeping thread holds no core, so four "devices" run at once even on two
@@ -32,16 +32,18 @@ T = 0.004          # seconds: one forward, and each half of a backward
 WORKERS = 4
 MICROBATCHES = 8
 ROWS = 16
-SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v"]
 # The schedules' ideal step (README, "train_step"), a stage being 2 layers
 # (F = I = W = 2t; interleaved: 2 stages of one layer per worker):
 # gpipe, 1f1b: (M + K - 1)(F + B); interleaved (v = 2): M(F + B) + (K - 1)(F + B)/2;
-# zb_h1: M(F + I + W) + (K - 1)(F + I - W).
+# zb_h1: M(F + I + W) + (K - 1)(F + I - W); zb_v (stages of one layer, F = I = W = t): its
+# plan's simulate() (csrc/plan.h), 51 t for 4 workers and 8 micro-batches.
 IDEAL = {
     "gpipe": (MICROBATCHES + WORKERS - 1) * 3 * T * 2,
     "1f1b": (MICROBATCHES + WORKERS - 1) * 3 * T * 2,
     "interleaved_1f1b": (MICROBATCHES * 3 + (WORKERS - 1) * 3 / 2) * T * 2,
     "zb_h1": (MICROBATCHES * 3 + (WORKERS - 1)) * T * 2,
+    "zb_v": 51 * T,
 }
 
 
@@ -83,7 +85,7 @@ def one_step(schedule: str, t: float, plot_dir: Optional[Path]) -> Dict[str, flo
     """One checked, timed train_step with `schedule`; its seconds and grad error."""
     model = make_model(t)
     reference = copy.deepcopy(model)
-    v = 2 if schedule == "interleaved_1f1b" else 1
+    v = 2 if schedule in ("interleaved_1f1b", "zb_v") else 1
     balance = [2 // v] * (WORKERS * v)
     pipe = gpipe.Pipe(model, balance, devices=["cpu"] * WORKERS, chunks=MICROBATCHES,
                       checkpoint="never", schedule=schedule, virtual_stages=v)

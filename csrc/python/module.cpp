@@ -83,8 +83,9 @@ detail::PlanKind parse_schedule(const std::string& name) {
   if (name == "1f1b") return detail::PlanKind::OneFOneB;
   if (name == "interleaved_1f1b") return detail::PlanKind::Interleaved1F1B;
   if (name == "zb_h1") return detail::PlanKind::ZBH1;
-  throw py::value_error("schedule is not one of 'gpipe', '1f1b', 'interleaved_1f1b' or 'zb_h1', "
-                        "got '" + name + "'");
+  if (name == "zb_v") return detail::PlanKind::ZBV;
+  throw py::value_error("schedule is not one of 'gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1' or "
+                        "'zb_v', got '" + name + "'");
 }
 
 class PyEngine {

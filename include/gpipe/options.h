@@ -49,9 +49,15 @@ enum class Schedule {
   /// input-grad half and the weight-grad half; the weight halves fill the
   /// drain. About a third of 1F1B's bubble at 1F1B's memory.
   ZBH1,
+  /// Zero-bubble ZB-V (Qi et al., 2024): two stages per device in a V
+  /// (device w runs stages w and 2W-1-w, so the first and the last stage
+  /// share device 0), each backward split as in ZB-H1. Near-zero bubble at
+  /// 1F1B's activation memory; `virtual_stages` is 2 (balance has 2W
+  /// entries). Within one process so far (DistributedPipe refuses it).
+  ZBV,
 };
 
-/// "gpipe", "1f1b", "interleaved_1f1b" or "zb_h1".
+/// "gpipe", "1f1b", "interleaved_1f1b", "zb_h1" or "zb_v".
 std::string to_string(Schedule schedule);
 /// Writes `to_string(schedule)`.
 std::ostream& operator<<(std::ostream& stream, Schedule schedule);

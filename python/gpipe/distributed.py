@@ -257,6 +257,10 @@ class Pipe(nn.Module):
         self.output_batch_dim = output_batch_dim
         self.chunks = _parse_chunks(chunks)
         self.schedule = _parse_schedule(schedule)
+        if self.schedule == "zb_v":
+            raise ValueError("schedule 'zb_v' runs within one process so far (gpipe.Pipe): its "
+                             "V placement is not taught to the ranks yet; use 'zb_h1' or "
+                             "'interleaved_1f1b' over a process group")
         self.checkpoint = _parse_checkpoint(checkpoint)
         self.virtual_stages = _as_int(virtual_stages, "virtual_stages",
                                       "pass the number of stages per rank, e.g. 2")

@@ -103,7 +103,7 @@ def _engine_checkpoint(checkpoint: Union[str, List[str]]) -> str:
     return checkpoint if isinstance(checkpoint, str) else "never"
 
 
-_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v")
 
 
 def _parse_schedule(schedule: Any) -> Union[str, Schedule]:
@@ -111,15 +111,15 @@ def _parse_schedule(schedule: Any) -> Union[str, Schedule]:
         return schedule
     name = str(schedule)
     if name not in _SCHEDULES:
-        raise ValueError(f"schedule is not one of 'gpipe', '1f1b', 'interleaved_1f1b' or "
-                         f"'zb_h1' (or a gpipe.Schedule, e.g. from a CSV file), got {name!r}")
+        raise ValueError(f"schedule is not one of 'gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1' "
+                         f"or 'zb_v' (or a gpipe.Schedule, e.g. from a CSV file), got {name!r}")
     return name
 
 
 def _schedule_stages(schedule: Union[str, Schedule], virtual_stages: int, per: str) -> int:
     """``virtual_stages`` checked against ``schedule``: a Schedule's table fixes it (its
     stages over its rows; the default 1 is taken as unset), the built-in ones run one stage
-    per ``per`` except interleaved_1f1b."""
+    per ``per`` except interleaved_1f1b (any) and zb_v (two, in a V)."""
     if isinstance(schedule, Schedule):
         table = schedule.stages // schedule.rows
         if virtual_stages not in (1, table):
@@ -127,6 +127,11 @@ def _schedule_stages(schedule: Union[str, Schedule], virtual_stages: int, per: s
                              f"{table} stages per row ({schedule.stages} stages in "
                              f"{schedule.rows} rows); leave virtual_stages out")
         return table
+    if schedule == "zb_v":
+        if virtual_stages not in (1, 2):
+            raise ValueError(f"virtual_stages is {virtual_stages} but schedule 'zb_v' runs two "
+                             f"stages per {per} in a V; leave virtual_stages out or pass 2")
+        return 2
     if virtual_stages != 1 and schedule != "interleaved_1f1b":
         raise ValueError(f"virtual_stages is {virtual_stages} but schedule {schedule!r} runs "
                          f"one stage per {per}; use schedule='interleaved_1f1b', or "
@@ -495,7 +500,10 @@ class Pipe(nn.Module):
             stages per device: a bubble v times smaller, more hand-offs) or
             ``'zb_h1'`` (zero bubble: each backward split into input grads and
             weight grads, the weight halves filling the drain; about a third
-            of 1F1B's bubble at 1F1B's peak memory), or a
+            of 1F1B's bubble at 1F1B's peak memory), ``'zb_v'`` (zero bubble
+            in a V: two stages per device, device w running stages w and
+            2W-1-w, so ``balance`` has 2W entries; near-zero bubble at
+            1F1B's activation memory; within one process so far), or a
             :class:`gpipe.Schedule`: a table of actions in
             torch.distributed.pipelining's CSV format (its stages fix
             ``virtual_stages``, its micro-batches must equal ``chunks``).
@@ -677,8 +685,12 @@ class Pipe(nn.Module):
         return [d for n, d in zip(self.balance, self._per_stage_devices()) for _ in range(n)]
 
     def _per_stage_devices(self) -> List[torch.device]:
-        """Each stage's device: stage s runs on devices[s % len(devices)]."""
-        return [self.devices[s % len(self.devices)] for s in range(len(self.balance))]
+        """Each stage's device: stage s runs on devices[s % len(devices)], or with zb_v in a
+        V, stage s on devices[s] and stage 2W-1-s on devices[s] too."""
+        w = len(self.devices)
+        if getattr(self, "schedule", None) == "zb_v":
+            return [self.devices[s if s < w else 2 * w - 1 - s] for s in range(len(self.balance))]
+        return [self.devices[s % w] for s in range(len(self.balance))]
 
     def _partitions(self) -> List[List[nn.Module]]:
         """Each stage's layers, in order."""

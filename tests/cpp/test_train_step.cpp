@@ -39,6 +39,9 @@ std::vector<Case> cases() {
       {Schedule::Interleaved1F1B, {1, 1, 1, 1, 1, 1}, 3, 2},
       {Schedule::Interleaved1F1B, {1, 1, 1, 1, 1, 1}, 2, 3},
       {Schedule::Interleaved1F1B, {2, 2, 2}, 3, 1},
+      // ZB-V: two stages per worker in a V (worker 0: stages 0 and 3).
+      {Schedule::ZBV, {2, 1, 1, 2}, 2, 2},
+      {Schedule::ZBV, {1, 1, 1, 1, 1, 1}, 3, 2},
   };
 }
 
@@ -550,4 +553,34 @@ TEST_CASE("train_step: a checkpoint mode per stage", "[train_step]") {
       gpipe::Pipe(inplace_mlp(3), gpipe::PipeOptions().balance({2, 2, 2}).chunks(2).stage_checkpoints(
                                       {Checkpoint::Never, Checkpoint::Never})),
       Catch::Contains("checkpoint has 2 modes for 3 stages; give one mode, or one per stage"));
+}
+
+TEST_CASE("train_step: zb_v places its stages in a V, virtual_stages 2 implied", "[train_step]") {
+  auto model = inplace_mlp(3);
+  auto ref = deep_copy(model);
+  // virtual_stages left at 1: zb_v takes 2; worker w runs stages w and 2W-1-w.
+  gpipe::Pipe pipe(model, gpipe::PipeOptions()
+                              .balance({2, 1, 1, 2})
+                              .devices({torch::kCPU, torch::kCPU})
+                              .chunks(4)
+                              .schedule(Schedule::ZBV));
+  CHECK(pipe->options().virtual_stages() == 2);
+  const std::string csv = pipe->schedule_csv();
+  const auto row0 = csv.substr(0, csv.find('\n'));
+  CHECK(row0.find("0F0") != std::string::npos);
+  CHECK(row0.find("3F0") != std::string::npos);  // the last stage: on worker 0
+  CHECK(row0.find("1F0") == std::string::npos);
+  auto x = randn64({8, 4});
+  auto y = randn64({8, 3});
+  auto loss = pipe->train_step(x, y, mse);
+  auto want = torch::mse_loss(ref->forward(x), y);
+  want.backward();
+  CHECK(max_abs_diff(loss, want) <= kTolerance);
+  check_param_grads(*pipe, *ref);
+  CHECK_THROWS_WITH(gpipe::Pipe(inplace_mlp(3), gpipe::PipeOptions()
+                                                    .balance({1, 1, 1, 1, 1, 1})
+                                                    .devices({torch::kCPU, torch::kCPU})
+                                                    .schedule(Schedule::ZBV)
+                                                    .virtual_stages(3)),
+                    Catch::Matchers::Contains("schedule zb_v runs two stages per device"));
 }

@@ -312,8 +312,9 @@ def features_of(cfg: Config) -> List[str]:
     opens a stage), 'tuple-input', 'float32', 'eval', 'no_grad', 'pre_grad', the backward and
     checkpoint modes; 'batch_dim' (the Pipe gets batch_dim or output_batch_dim), and the batch
     dim variants 'batch-second', 'batch-out', 'shared-input', 'tagged-output' (layer kinds);
-    'train_step' with the schedule's name ('gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1') and
-    'virtual_stages' (more than one stage per device) in place of the backward mode; 'skips'
+    'train_step' with the schedule's name ('gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1',
+    'zb_v') and 'virtual_stages' (more than one stage per device) in place of the backward
+    mode; 'skips'
     (any skip connection, the layer kinds 'stash', 'pop', 'relay'), 'skip-crossing' (one
     crosses a stage boundary), 'skip-namespace' (isolated), 'skip-none' (a None skip);
     'tie-crossing' (a TiedLinear in another stage than its Linear)."""
@@ -660,6 +661,12 @@ def _train_step(seed: int, cfg: Config) -> Config:
     v = rng.choice([2, 3]) if rng.random() < VIRTUAL_ODDS else 1
     if not chosen or not _joined_at_0(cfg):
         return cfg
+    # ZB-V (two stages per device in a V) takes half the zb_h1 draws that have an even number
+    # of stages, by a generator of its own, so the other seeds draw as before it existed.
+    if (schedule == "zb_h1" and len(cfg.balance) % 2 == 0
+            and random.Random(f"zb_v {seed}").random() < 0.5):
+        schedule = "zb_v"
+        cfg = replace(cfg, virtual_stages=2)
     cfg = replace(cfg, step=schedule, backward="backward", no_grad=False)
     n = len(cfg.layers)
     if schedule == "interleaved_1f1b" and min(v, n) > 1:

@@ -144,14 +144,15 @@ def test_fixed_seeds_draw_every_train_step_schedule():
     """The fixed range runs pipe.train_step under each schedule, interleaved also with more
     than one stage per device."""
     fuzz = load_fuzz()
-    wanted = ("train_step",) + tuple(fuzz.SCHEDULES) + ("virtual_stages",)
+    schedules = tuple(fuzz.SCHEDULES) + ("zb_v",)  # zb_v: drawn in place of some zb_h1
+    wanted = ("train_step",) + schedules + ("virtual_stages",)
     drawn = {v: 0 for v in wanted}
     for seed in SEEDS:
         for v in fuzz.generate(seed).features:
             if v in drawn:
                 drawn[v] += 1
     assert all(drawn[v] >= 5 for v in wanted), drawn
-    assert drawn["train_step"] == sum(drawn[s] for s in fuzz.SCHEDULES), drawn
+    assert drawn["train_step"] == sum(drawn[s] for s in schedules), drawn
 
 
 def test_train_step_configurations_build_their_pipe_as_drawn():

@@ -30,6 +30,7 @@ SCHEDULES = {
     "1f1b": ("1f1b", 1),
     "zb_h1": ("zb_h1", 1),
     "interleaved-v2": ("interleaved_1f1b", 2),
+    "zb_v": ("zb_v", 2),
 }
 
 # (rows, chunks): one micro-batch; 7 rows in 3 (3, 2, 2: uneven).

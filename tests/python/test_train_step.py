@@ -24,6 +24,8 @@ SCHEDULES = {
     "interleaved-v1": ("interleaved_1f1b", 1),
     "interleaved-v2": ("interleaved_1f1b", 2),
     "interleaved-v3": ("interleaved_1f1b", 3),
+    # Two stages per worker in a V: worker 0 runs stages 0 and 3, worker 1 stages 1 and 2.
+    "zb_v": ("zb_v", 2),
 }
 
 # Balances of mlp()'s 7 layers, 3 or 4 stages (v=2: 4 stages on 2 workers, v=3: 6 on 2).
@@ -35,6 +37,7 @@ MLP_BALANCE = {
     "interleaved-v1": [2, 3, 2],
     "interleaved-v2": [1, 2, 2, 2],
     "interleaved-v3": [2, 1, 1, 1, 1, 1],
+    "zb_v": [2, 1, 2, 2],
 }
 
 # Balances of the 6-layer models below (tuple_model, dropout_model, failing_model).
@@ -45,6 +48,7 @@ SIX_BALANCE = {
     "interleaved-v1": [1, 3, 2],
     "interleaved-v2": [1, 1, 2, 2],
     "interleaved-v3": [1, 1, 1, 1, 1, 1],
+    "zb_v": [2, 1, 1, 2],
 }
 
 # (rows, chunks): 8 in 4; 7 in 3 (3, 2, 2); 6 in 2, fewer micro-batches than stages;
@@ -510,7 +514,7 @@ def test_layer_error_names_its_cell_and_the_next_step_works(config, where):
         phase = "forward"
     else:  # the input path: zb_h1's I (stage 3 of the model is never stage 0 here)
         assert stage > 0
-        phase = "input-grad backward" if config == "zb_h1" else "backward"
+        phase = "input-grad backward" if config in ("zb_h1", "zb_v") else "backward"
     assert_note(raised, stage, 2, phase)
 
 
@@ -523,7 +527,7 @@ def test_backward_error_under_recompute(config):
     pipe = gpipe.Pipe(model, chunks=4, checkpoint="always", **options)
     raised = fail_and_recover(pipe, copy.deepcopy(model), *failure_data())
     assert raised is err, repr(raised)
-    phase = "input-grad backward" if config == "zb_h1" else "backward"
+    phase = "input-grad backward" if config in ("zb_h1", "zb_v") else "backward"
     assert_note(raised, stage_of(3, options["balance"]), None, phase)
 
 
@@ -539,7 +543,7 @@ def test_recompute_error_names_its_phase(config):
 
 
 @pytest.mark.parametrize("at", [0, 3, 5], ids=["stage-0", "middle", "last-stage"])
-@pytest.mark.parametrize("config", ["zb_h1", "1f1b", "gpipe"])
+@pytest.mark.parametrize("config", ["zb_h1", "zb_v", "1f1b", "gpipe"])
 def test_weight_grad_error(config, at):
     """A failure only in a weight's grad: zb_h1's W ('weight-grad backward'; stage 0's too),
     the whole backward ('backward') under the others."""
@@ -549,7 +553,7 @@ def test_weight_grad_error(config, at):
     pipe = gpipe.Pipe(model, chunks=4, checkpoint="never", **options)
     raised = fail_and_recover(pipe, copy.deepcopy(model), *failure_data())
     assert raised is err, repr(raised)
-    phase = "weight-grad backward" if config == "zb_h1" else "backward"
+    phase = "weight-grad backward" if config in ("zb_h1", "zb_v") else "backward"
     assert_note(raised, stage_of(at, options["balance"]), 1, phase)
 
 
@@ -720,7 +724,7 @@ def test_trace_has_a_loss_per_microbatch_and_every_cell(config):
     for s in range(stages):
         assert cells(events, "forward", s) == list(range(m)), f"stage {s}"
         assert cells(events, "recompute", s) == list(range(m)), f"stage {s}"
-        if config == "zb_h1":
+        if config in ("zb_h1", "zb_v"):
             assert cells(events, "backward", s) == []
             assert cells(events, "weight_grad", s) == list(range(m)), f"stage {s}"
             inputs = cells(events, "input_grad", s)
@@ -815,3 +819,21 @@ def test_deferred_batch_norm_as_forward_and_backward(config, checkpoint):
                      (first_plain.running_mean, first_plain.running_var), tol=stats_tol,
                      what="first running stats vs plain")
     assert max(b.running_mean.abs().max().item() for b in batch_norms(plain)) > 1e-2
+
+
+def test_zb_v_runs_its_stages_in_a_v():
+    # Worker 0 runs the first and the last stage (2W-1-w for w=0), worker 1 the turn of the V:
+    # the exported table's rows say so, and every grad equals the plain model's.
+    x, y = mlp_data(8)
+    pipe, _ = compare_train_step(mlp(), x, y, F.mse_loss, chunks=4, **pipe_options("zb_v",
+                                                                                 MLP_BALANCE))
+    rows = [row.split(",") for row in pipe.schedule_csv().splitlines()]
+    assert [sorted({int(a[0]) for a in row}) for row in rows] == [[0, 3], [1, 2]]
+    assert {a[1] for row in rows for a in row} == {"F", "I", "W"}
+    assert pipe.virtual_stages == 2 and "schedule='zb_v'" in repr(pipe)
+    # virtual_stages may be left out (it is 2); any other count is refused.
+    assert gpipe.Pipe(mlp(), balance=[2, 1, 2, 2], schedule="zb_v").virtual_stages == 2
+    with pytest.raises(ValueError, match="'zb_v' runs two stages per device in a V"):
+        gpipe.Pipe(mlp(), balance=[2, 1, 1, 1, 1, 1], schedule="zb_v", virtual_stages=3)
+    with pytest.raises(ValueError, match="virtual_stages 2"):
+        gpipe.Pipe(mlp(), balance=[3, 2, 2], schedule="zb_v")
