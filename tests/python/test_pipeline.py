@@ -300,6 +300,36 @@ class Far(nn.Module):
         return self.e(g) + h + x
 
 
+class Bypassed(nn.Module):
+    """Cut at b, c, d: stage 2 uses nothing of stage 1 (h comes from stage 0, g goes on to
+    stage 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        g = self.b(x)
+        k = self.c(h)
+        return self.d(k) + g
+
+
+def test_a_stage_using_nothing_of_the_one_before_gets_carried_values() -> None:
+    # Stage 1 hands stage 2 nothing of its own, and a stage's input cannot be empty: h rides
+    # through stage 1 instead of skipping it (docs/pipeline.md).
+    model = Bypassed().double()
+    plain = twin(model)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    pipe = gpipe.pipeline(model, ["b", "c", "d"], x, chunks=2)
+    assert [stage.gpipe_skips for stage in pipe] == [None] * 4
+    out = pipe(x)
+    assert max_diff(out, plain(x)) < TOL
+    out.sum().backward()
+    plain(x).sum().backward()
+    grads_equal(model, plain)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
 def test_values_skip_the_stages_that_do_not_use_them(schedule: str, checkpoint: str) -> None:
