@@ -69,7 +69,8 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
   engine_ = std::make_shared<detail::Engine>(
       std::move(parts), std::vector<c10::Device>(static_cast<size_t>(v), options_.device()),
       options_.chunks(), options_.checkpoint(), /*intra_op_threads=*/-1, v,
-      detail::plan_kind(options_.schedule()),
+      // A table replaces the named schedule (set_plan below).
+      table ? detail::PlanKind::Custom : detail::plan_kind(options_.schedule()),
       detail::Groups{group, options_.reverse_group(), options_.dp_group()});
   engine_->set_skip_routes(std::move(skips.routes));
   engine_->set_batch_dims(options_.batch_dim(), options_.output_batch_dim());

@@ -174,9 +174,11 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
         std::move(modules), offset, std::move(skips.arriving[j]), std::move(skips.leaving[j])));
     offset += balance[j];
   }
+  // A table replaces the named schedule (set_plan below).
+  const auto kind = table ? detail::PlanKind::Custom : detail::plan_kind(options_.schedule());
   engine_ = std::make_shared<detail::Engine>(std::move(parts), stage_devices, options_.chunks(),
                                              options_.checkpoint(), options_.intra_op_threads(),
-                                             v, detail::plan_kind(options_.schedule()));
+                                             v, kind);
   engine_->set_batch_dims(options_.batch_dim(), options_.output_batch_dim());
   engine_->set_skip_routes(std::move(skips.routes));
   engine_->tracer().set_capacity(options_.trace_capacity());

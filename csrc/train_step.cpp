@@ -223,6 +223,7 @@ void Engine::set_plan(Plan plan) {
   }
   plan.kind = PlanKind::Custom;
   plan_kind_ = PlanKind::Custom;
+  placement_.clear();  // a table runs its stages in a loop (require_loop_placement)
   plan_ = std::move(plan);
 }
 

@@ -583,4 +583,18 @@ TEST_CASE("train_step: zb_v places its stages in a V, virtual_stages 2 implied",
                                                     .schedule(Schedule::ZBV)
                                                     .virtual_stages(3)),
                     Catch::Matchers::Contains("schedule zb_v runs two stages per device"));
+  // A table given too replaces the named schedule: its loop placement, one stage per device.
+  auto tabled = inplace_mlp(3);
+  auto tabled_ref = deep_copy(tabled);
+  gpipe::Pipe from_table(tabled, gpipe::PipeOptions()
+                                     .balance({3, 3})
+                                     .devices({torch::kCPU, torch::kCPU})
+                                     .chunks(2)
+                                     .schedule(Schedule::ZBV)
+                                     .schedule_csv("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n"));
+  CHECK(from_table->options().virtual_stages() == 1);
+  auto table_loss = from_table->train_step(x, y, mse);
+  torch::mse_loss(tabled_ref->forward(x), y).backward();
+  check_param_grads(*from_table, *tabled_ref);
+  CHECK(table_loss.defined());
 }
