@@ -679,19 +679,21 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
                            "torch.distributed.init_process_group() first (torchrun sets its "
                            "environment), or use gpipe.pipeline within one process")
     group = pipe_options.get("group")
+    if group is None:
+        group = dist.group.WORLD
     if pipe_options.get("mesh") is not None:
         group = _pp_group(pipe_options["mesh"])
     virtual = pipe_options.get("virtual_stages", 1)
-    wanted = dist.get_world_size(group if group is not None else dist.group.WORLD) * (
-        virtual if isinstance(virtual, int) else 1)
+    wanted = dist.get_world_size(group) * (virtual if isinstance(virtual, int) else 1)
     if split_points is None and stages is None:
         stages = wanted
     if split_points is None and balance_by == "time":
-        # Timings differ from rank to rank: every rank takes the first rank's choice.
+        # Timings differ from rank to rank: every rank takes the first rank's choice. (Every
+        # rank profiles, so that a module failing to trace or run fails on every rank alike
+        # instead of leaving the others in the broadcast.)
         chosen = [_balanced_split_points(module, stages, balance_by, example_args,
                                          example_kwargs)]
-        pp = group if group is not None else dist.group.WORLD
-        dist.broadcast_object_list(chosen, src=dist.get_global_rank(pp, 0), group=pp)
+        dist.broadcast_object_list(chosen, src=dist.get_global_rank(group, 0), group=group)
         split_points, stages = chosen[0], None
     cut = _cut(module, split_points, example_args, example_kwargs, stages, balance_by, tracer,
                pipe_options, Pipe, "gpipe.distributed.pipeline")
@@ -917,15 +919,19 @@ def get_state_dict(model: nn.Module, optimizers: Any, *, submodules: Any = None,
         model_sd, optim_sd = sd.get_state_dict(model, optimizers, submodules=submodules,
                                                options=_pipeline_options(options))
     return ({model._module_key(k): v for k, v in model_sd.items()},
-            {_optim_key(k, model._module_key): v for k, v in optim_sd.items()})
+            {key: v for k, v in optim_sd.items()
+             for key in _optim_keys(k, lambda fqn: [model._module_key(fqn)])})
 
 
-def _optim_key(key: str, rename: Callable[[str], str]) -> str:
+def _optim_keys(key: str, rename: Callable[[str], List[str]]) -> List[str]:
     """A flattened optimizer key ('state.<fqn>.<field>', 'param_groups.<fqn>.<field>') with
-    its parameter name renamed; the field is the last dotted part."""
+    its parameter name renamed (to each of ``rename(fqn)``); the field is the last dotted
+    part. Other keys stay as they are."""
     kind, _, rest = key.partition(".")
     fqn, _, field = rest.rpartition(".")
-    return f"{kind}.{rename(fqn)}.{field}" if kind in ("state", "param_groups") and fqn else key
+    if kind not in ("state", "param_groups") or not fqn:
+        return [key]
+    return [f"{kind}.{name}.{field}" for name in rename(fqn)]
 
 
 def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: Dict[str, Any],
@@ -943,15 +949,8 @@ def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: Dict[
     # of a parameter two local stages use goes to both).
     model_sd = {stage_key: v for k, v in model_state_dict.items()
                 for stage_key in model._stage_keys_of(k)}
-    optim_sd: Dict[str, Any] = {}
-    for k, v in optim_state_dict.items():
-        kind, _, rest = k.partition(".")
-        fqn, _, field = rest.rpartition(".")
-        if kind not in ("state", "param_groups") or not fqn:
-            optim_sd[k] = v
-            continue
-        for stage_key in model._stage_keys_of(fqn):
-            optim_sd[f"{kind}.{stage_key}.{field}"] = v
+    optim_sd = {key: v for k, v in optim_state_dict.items()
+                for key in _optim_keys(k, model._stage_keys_of)}
     with model._stage_names():
         return sd.set_state_dict(model, optimizers, model_state_dict=model_sd,
                                  optim_state_dict=optim_sd, options=_pipeline_options(options))

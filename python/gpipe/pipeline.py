@@ -426,8 +426,8 @@ class _Pipelined:
             return
         mine = {}
         for key in [k for k in state_dict if k.startswith(prefix)]:
-            stage, _, rest = key[len(prefix):].partition(".")
-            if stage.isdigit() and rest in self._key_stages:
+            rest = self._module_key(key[len(prefix):])
+            if rest != key[len(prefix):]:
                 mine[rest] = state_dict.pop(key)
         for rest in self._key_order:
             if rest in mine:
@@ -443,14 +443,12 @@ class _Pipelined:
         self._load_prefix = prefix
         if getattr(self, "_raw_keys", False):
             return
-        local = self._local_stages()
         for key in [k for k in state_dict if k.startswith(prefix)]:
             rest = key[len(prefix):]
             if rest in self._key_stages:
                 value = state_dict.pop(key)
-                for stage in self._key_stages[rest]:
-                    if local is None or stage in local:
-                        state_dict[f"{prefix}{stage}.{rest}"] = value
+                for stage_key in self._stage_keys_of(rest):
+                    state_dict[prefix + stage_key] = value
 
     @staticmethod
     def _missing_as_module_keys(self: "_Pipelined", incompatible: Any) -> None:
@@ -459,9 +457,8 @@ class _Pipelined:
             return
         named = []
         for key in incompatible.missing_keys:
-            stage, _, rest = key[len(self._load_prefix):].partition(".")
-            if key.startswith(self._load_prefix) and stage.isdigit() and rest in self._key_stages:
-                key = self._load_prefix + rest
+            if key.startswith(self._load_prefix):
+                key = self._load_prefix + self._module_key(key[len(self._load_prefix):])
             if key not in named:
                 named.append(key)
         incompatible.missing_keys[:] = named
