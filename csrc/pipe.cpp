@@ -117,10 +117,12 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
                     devices.size() == 1 ? " is" : " are", " given ", listed(devices),
                     "; pass at least one device per stage, or fewer stages");
   devices.erase(devices.begin() + static_cast<std::ptrdiff_t>(workers), devices.end());
-  // Stage j runs on worker j mod W, on its device (ZB-V: worker j, then back, 2W-1-j).
+  // Stage j runs on worker j mod W, on its device; under ZB-V on the V's worker (plan.h).
+  const auto v_workers =
+      v_shape ? detail::v_placement(static_cast<int64_t>(workers)) : std::vector<int64_t>{};
   std::vector<c10::Device> stage_devices;
   for (size_t j = 0; j < stages; ++j) {
-    stage_devices.push_back(devices[v_shape && j >= workers ? 2 * workers - 1 - j : j % workers]);
+    stage_devices.push_back(devices[v_shape ? static_cast<size_t>(v_workers[j]) : j % workers]);
   }
 
   // A tensor two layers share (tied weights) must live where both run:
