@@ -114,6 +114,17 @@ def grads_equal(a: nn.Module, b: nn.Module) -> None:
         assert max_diff(pa[name].grad, pb[name].grad) < TOL, name
 
 
+def outputs_and_grads_equal(out: Tensor, ref: Tensor, model: nn.Module,
+                            plain: nn.Module) -> None:
+    """The pipe's ``out`` equals the plain model's ``ref``, and after the same weighted
+    backward through both, ``model``'s grads equal ``plain``'s."""
+    assert max_diff(out, ref) < TOL
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    grads_equal(model, plain)
+
+
 def lm_loss(logits: Tensor, tgt: Tensor) -> Tensor:
     return F.cross_entropy(logits.reshape(-1, V), tgt.reshape(-1))
 
@@ -149,11 +160,7 @@ def test_gpt_outputs_and_grads(checkpoint: str, chunks: int) -> None:
     idx = idx_of(7)  # uneven micro-batches with chunks 2..4; not the example's batch size
     out = pipe(idx)
     ref = plain(idx)
-    assert max_diff(out, ref) < TOL
-    w = torch.randn_like(out)
-    (out * w).sum().backward()
-    (ref * w).sum().backward()
-    grads_equal(model, plain)
+    outputs_and_grads_equal(out, ref, model, plain)
 
 
 def test_gpt_train_step() -> None:
@@ -269,12 +276,7 @@ def test_unet_skips_cross_stages(split: list, skips: list) -> None:
     pipe = gpipe.pipeline(model, split, x, chunks=3)
     assert len(pipe) == len(split) + 1
     assert [stage.gpipe_skips for stage in pipe] == skips
-    out = pipe(x)
-    assert max_diff(out, plain(x)) < TOL
-    w = torch.randn_like(out)
-    (out * w).sum().backward()
-    (plain(x) * w).sum().backward()
-    grads_equal(model, plain)
+    outputs_and_grads_equal(pipe(x), plain(x), model, plain)
     assert list(pipe.state_dict()) == list(model.state_dict())
     copied = pickle.loads(pickle.dumps(pipe))
     assert [stage.gpipe_skips for stage in copied] == skips
@@ -323,11 +325,7 @@ def test_a_stage_using_nothing_of_the_one_before_gets_carried_values() -> None:
     x = torch.randn(5, 4, dtype=torch.float64)
     pipe = gpipe.pipeline(model, ["b", "c", "d"], x, chunks=2)
     assert [stage.gpipe_skips for stage in pipe] == [None] * 4
-    out = pipe(x)
-    assert max_diff(out, plain(x)) < TOL
-    out.sum().backward()
-    plain(x).sum().backward()
-    grads_equal(model, plain)
+    outputs_and_grads_equal(pipe(x), plain(x), model, plain)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
@@ -595,11 +593,7 @@ def test_split_point_inside_a_block() -> None:
     idx = idx_of(5)
     out = pipe(idx, attention_mask=mask)
     ref = plain(idx, attention_mask=mask)
-    assert max_diff(out, ref) < TOL
-    w = torch.randn_like(out)
-    (out * w).sum().backward()
-    (ref * w).sum().backward()
-    grads_equal(model, plain)
+    outputs_and_grads_equal(out, ref, model, plain)
     assert list(pipe.state_dict()) == list(model.state_dict())
 
 
@@ -730,11 +724,7 @@ def test_export_gpt_outputs_grads_state_dict_tie(checkpoint: str, chunks: int,
     for rows in (7, 1):  # uneven micro-batches; one row
         idx = idx_of(rows)
         out, ref = pipe(idx, **kwargs), plain(idx, **kwargs)
-        assert max_diff(out, ref) < TOL
-    w = torch.randn_like(out)
-    (out * w).sum().backward()
-    (ref * w).sum().backward()
-    grads_equal(model, plain)
+        outputs_and_grads_equal(out, ref, model, plain)
 
 
 def test_export_unet_and_train_step() -> None:

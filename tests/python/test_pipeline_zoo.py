@@ -12,7 +12,7 @@ from torch import Tensor, nn
 import gpipe
 from gpipe.pipeline import PipelineError
 from conftest import TOL, max_diff
-from test_pipeline import grads_equal, train_step_equals_plain, twin
+from test_pipeline import outputs_and_grads_equal, train_step_equals_plain, twin
 
 torch.set_num_threads(1)
 
@@ -47,12 +47,7 @@ def test_resnet_eval_outputs_and_grads(tracer: str, chunks: int, checkpoint: str
                           checkpoint=checkpoint).eval()
     assert len(pipe) == len(split) + 1
     x = images(5)  # not the example's batch size; uneven micro-batches for chunks 2..4
-    out, ref = pipe(x), plain(x)
-    assert max_diff(out, ref) < TOL
-    w = torch.randn_like(out)
-    (out * w).sum().backward()
-    (ref * w).sum().backward()
-    grads_equal(model, plain)
+    outputs_and_grads_equal(pipe(x), plain(x), model, plain)
 
 
 @pytest.mark.parametrize("tracer", ["fx", "export"])
@@ -62,12 +57,7 @@ def test_resnet_train_mode_one_chunk_running_statistics(tracer: str) -> None:
     pipe = gpipe.pipeline(model, ["layer2", "layer4"], images(4), tracer=tracer, chunks=1,
                           checkpoint="never")
     x = images(5)
-    out, ref = pipe(x), plain(x)
-    assert max_diff(out, ref) < TOL
-    w = torch.randn_like(out)
-    (out * w).sum().backward()
-    (ref * w).sum().backward()
-    grads_equal(model, plain)
+    outputs_and_grads_equal(pipe(x), plain(x), model, plain)
     bufs, want = dict(model.named_buffers()), dict(plain.named_buffers())
     assert int(want["layer4.1.bn2.num_batches_tracked"]) == 1
     for name, b in want.items():
@@ -82,11 +72,7 @@ def test_resnet_fx_deferred_batch_norm_with_checkpointing() -> None:
     pipe = gpipe.pipeline(model, ["layer2", "layer4"], images(4), chunks=1, checkpoint="always",
                           deferred_batch_norm=True)
     x = images(5)
-    out, ref = pipe(x), plain(x)
-    assert max_diff(out, ref) < TOL
-    out.sum().backward()
-    ref.sum().backward()
-    grads_equal(model, plain)
+    outputs_and_grads_equal(pipe(x), plain(x), model, plain)
     want = dict(plain.named_buffers())
     for name, b in model.named_buffers():
         assert max_diff(b.double(), want[name].double()) < TOL, name
@@ -158,11 +144,8 @@ def test_gpt2_export_outputs_grads_tie_state_dict(chunks: int, checkpoint: str,
     kwargs = {"attention_mask": padding(5)} if with_mask else {}
     out, ref = pipe(x, **kwargs), plain(x, **kwargs)
     assert type(out) is type(ref) and list(out.keys()) == list(ref.keys()) == ["logits"]
-    assert max_diff(out.logits, ref.logits) < TOL
-    w = torch.randn_like(out.logits)
-    (out.logits * w).sum().backward()
-    (ref.logits * w).sum().backward()
-    grads_equal(model, plain)  # the tied weight's grad sums the embedding's and the head's
+    # The tied weight's grad sums the embedding's and the head's.
+    outputs_and_grads_equal(out.logits, ref.logits, model, plain)
 
 
 def test_gpt2_export_train_step_1f1b_with_mask() -> None:
