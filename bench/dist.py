@@ -4,12 +4,15 @@
 
 Both run one stage per process (K = 4 ranks of one Gloo group on localhost,
 spawned once; every row runs in these same processes, one after the
-other), M = 16 micro-batches, checkpoint never, loss = output.sum(), on
-peer.py's models (8 layers, 2 per stage):
+other), or two in a V under zb_v, M = 16 micro-batches, checkpoint never,
+loss = output.sum(), on peer.py's models (8 layers, 2 per stage, 1 per stage
+under zb_v):
   sim   split sleep layers (forward 1 ms, backward 1 ms + 1 ms per layer).
   tiny  8 x Linear(16, 16), batch 64.
-Schedules: gpipe.distributed.Pipe(schedule='gpipe' | '1f1b') against
-pipelining's ScheduleGPipe | Schedule1F1B. A step's time is peer.py's:
+Schedules: gpipe.distributed.Pipe(schedule='gpipe' | '1f1b' | 'zb_v') against
+pipelining's ScheduleGPipe | Schedule1F1B | ScheduleZBVZeroBubble (zb_v:
+rank r holds stages r and 2K - 1 - r on both sides; a pipelining schedule
+that fails is reported, its row left out). A step's time is peer.py's:
 the median over blocks of (block time / steps), a Gloo barrier before and
 after each block.
 
@@ -92,6 +95,7 @@ import statistics
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -102,7 +106,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer  # noqa: E402  (the models, the timing, the spawning helpers)
 
 K = peer.K
-SCHEDULES = [("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B")]
+# gpipe's schedule, pipelining's of the same name, and the stages per rank (2: in a V).
+SCHEDULES = [("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
+             ("zb_v", "ScheduleZBVZeroBubble", 2)]
 
 COMPUTE = ("forward", "backward", "recompute", "loss", "input_grad", "weight_grad")
 
@@ -167,16 +173,23 @@ def worker(rank: int, port: int, names: list, quick: bool, path: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=K)
+    # pipelining's stages talk over a group of their own with a short timeout: when one of
+    # its ranks fails (ZBV's self-send on Gloo), the others' waits end within it.
+    theirs_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))
     results = {}
+    broken = None  # why theirs_group is unusable (a failed pipelining row)
     try:
-        for name in names:
-            cfg = peer.config(name, quick)
-            x = peer.make_input(name, cfg["m"])
-            for ours, theirs in SCHEDULES:
+        # Schedule by schedule, every model: a pipelining schedule that breaks its group
+        # (zb_v, last) costs only the rows after it.
+        for ours, theirs, v in SCHEDULES:
+            for name in names:
+                cfg = peer.config(name, quick)
+                x = peer.make_input(name, cfg["m"])
                 # gpipe.distributed
                 model = peer.make_schedule_model(name, cfg["t"])
-                pipe = gpipe.distributed.Pipe(model, [len(model) // K] * K, chunks=cfg["m"],
-                                              checkpoint="never", schedule=ours)
+                pipe = gpipe.distributed.Pipe(model, [len(model) // (K * v)] * (K * v),
+                                              chunks=cfg["m"], checkpoint="never",
+                                              schedule=ours)
                 target = torch.zeros(x.shape[0], 1)
 
                 def step():
@@ -202,30 +215,54 @@ def worker(rank: int, port: int, names: list, quick: bool, path: str) -> None:
                 gathered = [None] * K
                 dist.all_gather_object(gathered, events)
                 comm = analyse(gathered, traced) if rank == 0 else {}
-                # torch.distributed.pipelining
+                # torch.distributed.pipelining, the same stages on the same ranks
                 model = peer.make_schedule_model(name, cfg["t"])
-                per = len(model) // K
-                stage = pipelining.PipelineStage(
-                    nn.Sequential(*list(model)[rank * per:(rank + 1) * per]), rank, K,
-                    torch.device("cpu"))
-                schedule = getattr(pipelining, theirs)(
-                    stage, n_microbatches=cfg["m"], loss_fn=lambda out, y: out.sum(),
-                    scale_grads=False)
+                indices = peer.stage_indices("one" if v == 1 else "v", rank)
+                per = len(model) // (K * v)
+                stages = [pipelining.PipelineStage(
+                    nn.Sequential(*list(model)[i * per:(i + 1) * per]), i, K * v,
+                    torch.device("cpu"), group=theirs_group) for i in indices]
                 one = torch.zeros(1)
+                first, last = 0 in indices, K * v - 1 in indices
+                failure = None
+                try:
+                    if broken:
+                        raise RuntimeError(f"not run: {broken}")
+                    schedule = getattr(pipelining, theirs)(
+                        stages[0] if v == 1 else stages, n_microbatches=cfg["m"],
+                        loss_fn=lambda out, y: out.sum(), scale_grads=False)
 
-                def their_step():
-                    kwargs = dict(target=one, losses=[]) if rank == K - 1 else {}
-                    if rank == 0:
-                        schedule.step(x, **kwargs)
-                    else:
-                        schedule.step(**kwargs)
+                    def their_step():
+                        kwargs = dict(target=one, losses=[]) if last else {}
+                        if first:
+                            schedule.step(x, **kwargs)
+                        else:
+                            schedule.step(**kwargs)
 
-                theirs_s = peer.time_blocks(their_step, cfg, sync=dist.barrier)
-                results[f"{name}/{ours}"] = dict(ours=ours_s, theirs=theirs_s,
-                                                 traced=traced_s, **comm)
+                    theirs_s = peer.time_blocks(
+                        their_step, cfg, sync=lambda: dist.barrier(group=theirs_group))
+                except Exception as e:  # reported, not hidden: its row says why
+                    theirs_s = None
+                    failure = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
+                # Every rank learns whether any failed (a failing rank's peers may have
+                # run on): a row times both sides or neither.
+                failures = [None] * K
+                dist.all_gather_object(failures, failure)
+                # The cause first: a rank whose own call failed, not one that timed out
+                # waiting for it.
+                failed = next((f"rank {r}: {f}" for r, f in sorted(
+                    enumerate(failures), key=lambda rf: "Timed out" in (rf[1] or ""))
+                    if f), None)
+                results[f"{name}/{ours}"] = dict(ours=ours_s,
+                                                 theirs=None if failed else theirs_s,
+                                                 failure=failed, traced=traced_s, **comm)
                 if rank == 0:
                     with open(path, "w") as f:
                         json.dump(results, f)
+                if failed and not broken:
+                    # Their failed step may leave messages in flight on their group: no
+                    # later pipelining row runs on it (gpipe's run on the world group).
+                    broken = f"pipelining's group broke at {name}/{theirs}"
     finally:
         dist.destroy_process_group()
 
@@ -461,11 +498,14 @@ def time_section(quick: bool) -> None:
     lines = []
     for key, r in results.items():
         name, schedule = key.split("/")
-        ratio = r["theirs"] / r["ours"]
+        ratio = r["theirs"] / r["ours"] if r["theirs"] else float("nan")
         rest = r["traced"] - r["compute"]
-        print(f"{name:6} {schedule:9} {r['ours'] * 1e3:9.2f} {r['theirs'] * 1e3:14.2f} "
+        theirs = f"{r['theirs'] * 1e3:14.2f}" if r["theirs"] else f"{'failed':>14}"
+        print(f"{name:6} {schedule:9} {r['ours'] * 1e3:9.2f} {theirs} "
               f"{ratio:12.2f} {r['compute'] * 1e3:11.2f} {rest * 1e3:8.2f} {r['comm_ms']:8.2f}"
               f" {r['handoff_us']:11.0f} {r['send_ms']:8.2f}")
+        if r["failure"]:
+            print(f"  pipelining {schedule} failed: {r['failure']}")
         lines.append(f"BENCH dist model={name} schedule={schedule} "
                      f"pipelining_over_gpipe={ratio:.2f} comm_ms={r['comm_ms']:.2f} "
                      f"handoff_us={r['handoff_us']:.0f} send_ms={r['send_ms']:.2f} "

@@ -18,8 +18,8 @@ Frameworks:
               `pip install --target`); it is never added to requirements.txt.
 
 Schedules (the step inside the pipeline): gpipe's `pipe.train_step(x, y, loss_fn)`
-with schedule='gpipe', '1f1b', 'interleaved_1f1b' (virtual_stages=2) and
-'zb_h1' (one process, 4 CPU stages) against torch.distributed.pipelining's
+with schedule='gpipe', '1f1b', 'interleaved_1f1b' (virtual_stages=2), 'zb_h1'
+and 'zb_v' (2 stages per device in a V) (one process, 4 CPU stages) against torch.distributed.pipelining's
 ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B and
 ScheduleInterleavedZeroBubble (2 stages per rank, stage s on rank s mod 4),
 ScheduleZBVZeroBubble and ScheduleDualPipeV (2 stages per rank in a V: rank
@@ -34,9 +34,9 @@ stages:
   tiny  the tiny model above.
 loss = output.sum() on both sides (timing only). The BENCH lines
 `BENCH peer model=... schedule=... pipelining_over_gpipe=...` compare
-like with like: gpipe, 1f1b and interleaved_1f1b against theirs of the same
-name; zb_h1 has no like in pipelining (theirs are interleaved or V-shaped)
-and is only in the table.
+like with like: gpipe, 1f1b, interleaved_1f1b and zb_v against theirs of
+the same name (zb_v: ScheduleZBVZeroBubble); zb_h1 has no like in pipelining
+(theirs are interleaved or V-shaped) and is only in the table.
 
 Every process sets one intra-op thread and 1 ns timer slack (so sleeps end
 on time alike). A step's time is the median over blocks of consecutive
@@ -262,7 +262,7 @@ def time_pipelining(names: list, quick: bool) -> dict:
 # ---- schedules: train_step against pipelining's schedules ---------------------------------------
 
 # gpipe's schedule name, its virtual stages, and pipelining's schedule of the same name (if any).
-GPIPE_SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
+GPIPE_SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2)]
 # pipelining's schedule class, its stage placement ("one": stage = rank; "loop": ranks r and
 # r + K; "v": r and 2K - 1 - r), and gpipe's schedule it is compared with in the BENCH lines.
 PIPELINING_SCHEDULES = [
@@ -270,7 +270,7 @@ PIPELINING_SCHEDULES = [
     ("Schedule1F1B", "one", "1f1b"),
     ("ScheduleInterleaved1F1B", "loop", "interleaved_1f1b"),
     ("ScheduleInterleavedZeroBubble", "loop", None),
-    ("ScheduleZBVZeroBubble", "v", None),
+    ("ScheduleZBVZeroBubble", "v", "zb_v"),
     ("ScheduleDualPipeV", "v", None),
 ]
 

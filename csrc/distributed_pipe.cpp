@@ -28,7 +28,20 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
   int64_t v = options_.virtual_stages();
   GPIPE_CHECK_VALUE(v >= 1, "virtual_stages must be at least 1, got ", v);
   auto table = detail::schedule_table(options_.schedule_csv(), v);
+  // ZB-V runs two stages per rank in a V: rank r holds stages r and 2R-1-r.
+  const bool v_shape = !table && options_.schedule() == Schedule::ZBV;
+  if (v_shape) {
+    GPIPE_CHECK_VALUE(v == 1 || v == 2, "virtual_stages is ", v, " but schedule zb_v runs two "
+                      "stages per rank; leave virtual_stages at 1 or pass 2");
+    v = 2;
+  }
+  GPIPE_CHECK_VALUE(v == 1 || table || v_shape ||
+                        options_.schedule() == Schedule::Interleaved1F1B,
+                    "virtual_stages is ", v, " but schedule ", options_.schedule(),
+                    " runs one stage per rank; use Schedule::Interleaved1F1B, or virtual_stages 1");
   options_.virtual_stages(v);
+  const auto rank_of_stage = detail::placement_of(
+      v_shape ? detail::PlanKind::ZBV : detail::PlanKind::OneFOneB, ranks, v);
   const auto& balance = options_.balance();
   const int64_t stages = ranks * v;
   GPIPE_CHECK_VALUE(static_cast<int64_t>(balance.size()) == stages, "balance has ",
@@ -50,7 +63,8 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
   for (int64_t s = 1; s < stages; ++s) starts[s] = starts[s - 1] + balance[s - 1];
   const auto children = sequential->named_children();
   std::vector<std::unique_ptr<detail::Layers>> parts;
-  for (int64_t s = rank_; s < stages; s += ranks) {
+  for (int64_t s = 0; s < stages; ++s) {
+    if (rank_of_stage[static_cast<size_t>(s)] != rank_) continue;
     stages_.push_back(s);
     std::vector<torch::nn::AnyModule> layers;
     for (int64_t k = starts[s]; k < starts[s] + balance[s]; ++k) {
@@ -90,7 +104,7 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
       for (const auto& p : child.value()->named_parameters()) own.emplace_back(p.key(), p.value());
       parameters.push_back(std::move(own));
       names.push_back(child.key());
-      rank_of_layer.push_back(s % ranks);
+      rank_of_layer.push_back(rank_of_stage[static_cast<size_t>(s)]);
     }
   }
   auto ties = detail::find_ties(parameters, names, rank_of_layer, rank_);

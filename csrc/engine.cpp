@@ -277,12 +277,19 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
   if (groups.pipeline) {
     TORCH_CHECK(static_cast<int64_t>(layers.size()) == virtual_stages, "gpipe: a rank holds ",
                 virtual_stages, " stages (virtual_stages) but got ", layers.size());
-    all_stages_ = virtual_stages * groups.pipeline->getSize();
+    const int64_t ranks = groups.pipeline->getSize();
+    all_stages_ = virtual_stages * ranks;
+    // ZB-V's V over the ranks: rank r runs stages r and 2R-1-r (its one
+    // worker runs both; the transport knows where every stage lives).
+    GPIPE_CHECK_VALUE(plan != PlanKind::ZBV || virtual_stages == 2, "schedule zb_v runs two "
+                      "stages per rank in a V, but virtual_stages is ", virtual_stages,
+                      "; pass virtual_stages=2 (balance with 2 entries per rank)");
     // Received tensors land where the backend moves them: the host for
     // Gloo, this rank's device otherwise (NCCL).
     const bool gloo = groups.pipeline->getBackendName() == "gloo";
     transport_ = std::make_unique<ProcessGroupTransport>(
-        groups.pipeline, groups.reverse, all_stages_, gloo ? c10::Device(c10::kCPU) : devices[0]);
+        groups.pipeline, groups.reverse, all_stages_, gloo ? c10::Device(c10::kCPU) : devices[0],
+        plan == PlanKind::ZBV ? v_placement(ranks) : std::vector<int64_t>{});
   }
   data_group_ = std::move(groups.data);
   if (data_group_) {
@@ -296,10 +303,11 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
       reducer_ = std::make_unique<GradReducer>(data_group_, nccl ? devices[0] : c10::Device(c10::kCPU));
     }
   }
+  // Stages are named by their index in the whole pipeline.
+  const auto indices = transport_ ? transport_->stages_of(transport_->rank())
+                                  : std::vector<int64_t>{};
   for (size_t j = 0; j < layers.size(); ++j) {
-    // Stages are named by their index in the whole pipeline.
-    const auto index = transport_ ? transport_->rank() + static_cast<int64_t>(j) * transport_->ranks()
-                                  : static_cast<int64_t>(j);
+    const auto index = transport_ ? indices[j] : static_cast<int64_t>(j);
     stages_.push_back(std::make_unique<Stage>(index, std::move(layers[j]), devices[j]));
   }
   skips_ = Skips({}, stages());
@@ -310,9 +318,6 @@ Engine::Engine(std::vector<std::unique_ptr<Layers>> layers, const std::vector<c1
                       " devices; pass virtual_stages=2 (balance with 2 entries per device)");
     placement_ = v_placement(workers());
   }
-  GPIPE_CHECK_VALUE(plan != PlanKind::ZBV || !transport_, "schedule zb_v runs within one "
-                    "process so far (its V placement is not taught to the ranks yet); use zb_h1 "
-                    "or interleaved_1f1b over a process group");
   // The RNG rule (rng.h): a default generator that stages on two or more
   // workers draw from is shared; there, cells get streams of their own.
   // (Over a process group one worker runs all of this rank's stages.)

@@ -361,7 +361,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool holds(int64_t stage) const noexcept {
     return !transport_ || transport_->owner(stage) == transport_->rank();
   }
-  /// Index into stages_ of stage `stage` (of all_stages()).
+  /// Index into stages_ of stage `stage` (of all_stages()). Over a group a
+  /// rank's stages are s = rank + j*R in a loop, or rank and 2R-1-rank in
+  /// ZB-V's V: either way stage / R is its index j among them.
   size_t local(int64_t stage) const noexcept {
     return static_cast<size_t>(transport_ ? stage / transport_->ranks() : stage);
   }

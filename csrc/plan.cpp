@@ -358,6 +358,13 @@ std::vector<int64_t> v_placement(int64_t workers) {
   return placement;
 }
 
+std::vector<int64_t> placement_of(PlanKind kind, int64_t workers, int64_t virtual_stages) {
+  if (kind == PlanKind::ZBV) return v_placement(workers);
+  std::vector<int64_t> loop;
+  for (int64_t s = 0; s < workers * virtual_stages; ++s) loop.push_back(s % workers);
+  return loop;
+}
+
 Plan gpipe_plan(int64_t workers, int64_t microbatches) {
   Plan plan = empty_plan(PlanKind::GPipe, workers, 1, microbatches);
   for (int64_t w = 0; w < workers; ++w) {

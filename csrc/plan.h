@@ -52,8 +52,8 @@ std::string describe(const Task& task);
 
 /// Which plan a Pipe's train_step runs (see gpipe::Schedule); Custom: a
 /// plan given as data (`plan_from_csv`). ZBV places its stages in a V: the
-/// in-process engine runs it; tables and ranks run loop placements only so
-/// far (`require_loop_placement`).
+/// in-process engine and the ranks run it (`placement_of`); CSV tables run
+/// loop placements only so far (`require_loop_placement`).
 enum class PlanKind : uint8_t { GPipe, OneFOneB, Interleaved1F1B, ZBH1, Custom, ZBV };
 
 /// "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "custom", "zb_v".
@@ -82,6 +82,9 @@ struct Plan {
 /// stage s >= W on worker 2W-1-s (so the first and the last stage share
 /// worker 0, and the turn of the V, stages W-1 and W, worker W-1).
 std::vector<int64_t> v_placement(int64_t workers);
+/// The worker of each of the workers x virtual_stages stages a named
+/// schedule runs: ZB-V's V, else a loop (stage s on worker s mod W).
+std::vector<int64_t> placement_of(PlanKind kind, int64_t workers, int64_t virtual_stages);
 
 /// The generators. Each throws std::invalid_argument naming the bad count
 /// (workers, virtual stages or micro-batches below 1).

@@ -156,12 +156,14 @@ Handoffs plan_handoffs(const Plan& plan, int64_t worker, const std::vector<SkipR
 
 ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                              c10::intrusive_ptr<c10d::ProcessGroup> reverse,
-                                             int64_t stages, c10::Device device)
+                                             int64_t stages, c10::Device device,
+                                             std::vector<int64_t> placement)
     : group_(std::move(group)),
       reverse_(std::move(reverse)),
       rank_(0),
       size_(1),
       stages_(stages),
+      placement_(std::move(placement)),
       device_(device) {
   TORCH_CHECK(group_, "gpipe: no process group; call torch.distributed.init_process_group() "
                       "(or pass group=) before building the pipe");
@@ -177,6 +179,18 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
   TORCH_CHECK(stages_ >= size_ && stages_ % size_ == 0, "gpipe: ", stages_,
               " stages over a group of ", size_, " ranks; give each rank the same number of "
               "stages (a multiple of ", size_, ")");
+  if (!placement_.empty()) {
+    std::vector<int64_t> held(static_cast<size_t>(size_), 0);
+    for (const int64_t r : placement_) {
+      TORCH_INTERNAL_ASSERT(r >= 0 && r < size_, "placement names rank ", r, " of ", size_);
+      ++held[static_cast<size_t>(r)];
+    }
+    TORCH_INTERNAL_ASSERT(static_cast<int64_t>(placement_.size()) == stages_ &&
+                              std::all_of(held.begin(), held.end(),
+                                          [&](int64_t n) { return n == stages_ / size_; }),
+                          "placement of ", placement_.size(), " stages is not ", stages_ / size_,
+                          " per rank");
+  }
   const std::string backend = group_->getBackendName();
   gloo_ = backend == "gloo";
   ordered_ = !gloo_;
@@ -223,6 +237,14 @@ ProcessGroupTransport::~ProcessGroupTransport() {
       bury(std::move(p));
     }
   }
+}
+
+std::vector<int64_t> ProcessGroupTransport::stages_of(int rank) const {
+  std::vector<int64_t> stages;
+  for (int64_t s = 0; s < stages_; ++s) {
+    if (owner(s) == rank) stages.push_back(s);
+  }
+  return stages;
 }
 
 int ProcessGroupTransport::source(const Address& at) const {

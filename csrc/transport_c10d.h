@@ -1,7 +1,8 @@
 // transport_c10d.h — hand-offs between ranks over a c10d process group: a small header, then the tensors, by isend/irecv.
 //
-// Stage s lives on rank s mod R of an R-rank group. A hand-off between two
-// stages of the same rank (world size 1) stays in-process (Mailboxes); one
+// Stage s lives on rank s mod R of an R-rank group, or, under ZB-V, in a V
+// (rank r holds stages r and 2R-1-r: plan.h, v_placement). A hand-off
+// between two stages of the same rank stays in-process (Mailboxes); one
 // to another rank travels as a small header (shapes, dtypes and grad flags:
 // the receiver allocates from it, so shapes may change from step to step)
 // and then the tensors. Two ways to match them, by the backend:
@@ -112,14 +113,15 @@ Handoffs plan_handoffs(const Plan& plan, int64_t worker,
 
 class ProcessGroupTransport final : public Transport {
  public:
-  /// `stages` stages in all over the group's ranks (stage s on rank s mod
-  /// size). `reverse`: the same ranks again, for hand-offs to lower ranks
-  /// (see Groups::reverse); null: `group`. Received tensors are allocated
-  /// on `device` (CPU for Gloo; the rank's GPU for NCCL); the receiving
-  /// stage moves them where it runs.
+  /// `stages` stages in all over the group's ranks: stage s on rank
+  /// `placement[s]`, or s mod size when `placement` is empty (a loop).
+  /// `reverse`: the same ranks again, for hand-offs to lower ranks (see
+  /// Groups::reverse); null: `group`. Received tensors are allocated on
+  /// `device` (CPU for Gloo; the rank's GPU for NCCL); the receiving stage
+  /// moves them where it runs.
   ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group,
                         c10::intrusive_ptr<c10d::ProcessGroup> reverse, int64_t stages,
-                        c10::Device device = c10::kCPU);
+                        c10::Device device = c10::kCPU, std::vector<int64_t> placement = {});
   ~ProcessGroupTransport() override;
   ProcessGroupTransport(const ProcessGroupTransport&) = delete;
   ProcessGroupTransport& operator=(const ProcessGroupTransport&) = delete;
@@ -132,7 +134,13 @@ class ProcessGroupTransport final : public Transport {
   /// Whether hand-offs match by order (NCCL) rather than by tag (Gloo).
   bool ordered() const noexcept { return ordered_; }
   int ranks() const noexcept { return size_; }
-  int owner(int64_t stage) const noexcept { return static_cast<int>(stage % size_); }
+  /// The rank that runs stage `stage`.
+  int owner(int64_t stage) const noexcept {
+    return static_cast<int>(placement_.empty() ? stage % size_
+                                               : placement_[static_cast<size_t>(stage)]);
+  }
+  /// The stages rank `rank` runs, in ascending order.
+  std::vector<int64_t> stages_of(int rank) const;
   /// The rank that sends to `at`: the previous stage's for activations,
   /// the next stage's for grads, the other end of its route for a skip or
   /// its grad.
@@ -245,6 +253,7 @@ class ProcessGroupTransport final : public Transport {
   int rank_;
   int size_;
   int64_t stages_;
+  std::vector<int64_t> placement_;  // stage -> rank; empty: s mod size_
   c10::Device device_;
   bool gloo_;
   bool ordered_ = false;

@@ -1,4 +1,4 @@
-"""Trains an MLP as a pipeline over processes (one stage per rank) and checks it against the plain model.
+"""Trains an MLP as a pipeline over processes (one stage per rank; two under interleaved_1f1b and zb_v) and checks it against the plain model.
 
 Run on one machine with 4 processes (Gloo on CPU):
 
@@ -11,7 +11,8 @@ averaged over its 2 replicas (pipeline x data parallel).
 
 Every rank builds the same model (same seed) and keeps only its stages'
 layers; rank 0 holds the first stage and takes the input, the last
-stage's rank takes the target and gets the loss. Alongside, every rank
+stage's rank takes the target and gets the loss (under zb_v, rank 0 too:
+its stages lie in a V). Alongside, every rank
 trains the plain nn.Sequential on the whole batch the same way, and after
 the last step checks that its own layers' weights equal the plain model's
 (float64, to 1e-10). Prints the loss per step on the last stage's rank and
@@ -48,7 +49,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     parser.add_argument("--schedule", default="1f1b",
-                        help="gpipe, 1f1b (default), interleaved_1f1b or zb_h1")
+                        help="gpipe, 1f1b (default), interleaved_1f1b, zb_h1 or zb_v")
     args = parser.parse_args()
 
     if "RANK" not in os.environ:
@@ -67,10 +68,13 @@ def main() -> int:
     replicas = [dist.new_group(list(range(s, world, stages))) for s in range(stages)]
     replica = rank // stages
 
-    model = make_model(stages)
+    # Two stages per rank where the schedule runs them (interleaved: a loop, zb_v: a V).
+    per_rank = 2 if args.schedule in ("interleaved_1f1b", "zb_v") else 1
+    model = make_model(stages * per_rank)
     plain = copy.deepcopy(model)
-    pipe = gpipe.distributed.Pipe(model, [LAYERS_PER_STAGE] * stages, chunks=CHUNKS,
-                                  schedule=args.schedule, group=pipelines[replica],
+    pipe = gpipe.distributed.Pipe(model, [LAYERS_PER_STAGE] * (stages * per_rank),
+                                  chunks=CHUNKS, schedule=args.schedule,
+                                  virtual_stages=per_rank, group=pipelines[replica],
                                   dp_group=replicas[rank % stages] if args.dp > 1 else None)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
@@ -91,8 +95,8 @@ def main() -> int:
         expected.backward()
         plain_opt.step()
         if pipe.is_last and replica == 0:
-            print(f"step {step}: loss {loss.item():.6f} (pipeline {args.dp} x {stages} stages)",
-                  flush=True)
+            print(f"step {step}: loss {loss.item():.6f} (pipeline {args.dp} x "
+                  f"{stages * per_rank} stages)", flush=True)
 
     reference = dict(plain.named_parameters())
     worst = max((p - reference[name]).abs().max().item()

@@ -98,17 +98,25 @@ class PyEngine {
            const std::string& dp_group) {
     // The group crosses from Python by name: the registry torch.distributed
     // fills is libtorch's own, so this works whatever pybind11 build made
-    // the Python object. Over a group, partition j is stage rank + j * size
-    // of the whole pipeline, and skip routes name whole-pipeline stages.
+    // the Python object. Over a group, partition j is this rank's j-th stage
+    // of the whole pipeline (rank + j * size in a loop; rank, then
+    // 2 size - 1 - rank in ZB-V's V), and skip routes name whole-pipeline
+    // stages.
     detail::Groups groups;
     if (!group.empty()) groups.pipeline = c10d::resolve_process_group(group);
     if (!reverse_group.empty()) groups.reverse = c10d::resolve_process_group(reverse_group);
     if (!dp_group.empty()) groups.data = c10d::resolve_process_group(dp_group);
     const auto& pg = groups.pipeline;
     const size_t all = pg ? static_cast<size_t>(virtual_stages * pg->getSize()) : partitions.size();
-    auto global = [&](size_t j) {
-      return pg ? static_cast<size_t>(pg->getRank()) + j * static_cast<size_t>(pg->getSize()) : j;
-    };
+    std::vector<size_t> own;  // over a group: this rank's stages, in order
+    if (pg) {
+      const auto placement =
+          detail::placement_of(parse_schedule(schedule), pg->getSize(), virtual_stages);
+      for (size_t s = 0; s < placement.size(); ++s) {
+        if (placement[s] == pg->getRank()) own.push_back(s);
+      }
+    }
+    auto global = [&](size_t j) { return pg ? (j < own.size() ? own[j] : all) : j; };
     std::vector<detail::SkipRoute> routes;
     std::vector<size_t> arriving(all, 0), leaving(all, 0);
     for (const auto& [from, to] : skip_routes) {
@@ -333,7 +341,8 @@ N > 0 gives each CPU worker N, -1 leaves torch's setting; virtual_stages: stages
 (stage s runs on worker s % workers); schedule: train_step's order, 'gpipe', '1f1b',
 'interleaved_1f1b' or 'zb_h1'; skip_routes: (stashing stage, popping stage) per skip across stages, in the order the runners take and give them;
 group: a torch.distributed group's name (group_name) for a pipeline over its ranks: partitions
-are then this rank's stages (stage s on rank s % size, virtual_stages per rank); empty: every
+are then this rank's stages (stage s on rank s % size, virtual_stages per rank; under zb_v
+rank r holds stages r and 2 size - 1 - r); empty: every
 stage in this process; reverse_group: the same ranks again, for hand-offs to lower ranks over
 NCCL (empty: group); dp_group: this rank's data-parallel replicas, grads averaged over it.)doc")
       .def("train_step", &PyEngine::train_step, py::arg("input"), py::arg("target"),

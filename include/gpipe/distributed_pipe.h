@@ -30,7 +30,8 @@ struct DistributedPipeOptions {
   /* implicit */ DistributedPipeOptions(std::vector<int64_t> balance)
       : balance_(std::move(balance)) {}
   /// Layers per stage: R * virtual_stages entries for a group of R ranks,
-  /// summing to the Sequential's length; stage s runs on rank s mod R.
+  /// summing to the Sequential's length; stage s runs on rank s mod R
+  /// (under Schedule::ZBV in a V: rank r runs stages r and 2R-1-r).
   TORCH_ARG(std::vector<int64_t>, balance);
   /// Micro-batches per mini-batch; a batch needs at least this many rows
   /// (every rank runs this many).
@@ -42,7 +43,7 @@ struct DistributedPipeOptions {
   /// A mode per stage (all ranks' stages), in place of `checkpoint` (see
   /// PipeOptions::stage_checkpoints).
   TORCH_ARG(std::vector<Checkpoint>, stage_checkpoints) = {};
-  /// Stages per rank (interleaved_1f1b); 1 otherwise.
+  /// Stages per rank (interleaved_1f1b; 2 under zb_v, implied); 1 otherwise.
   TORCH_ARG(int64_t, virtual_stages) = 1;
   /// A schedule as data, in place of `schedule`, one row per rank (see
   /// PipeOptions::schedule_csv); every rank passes the same table.

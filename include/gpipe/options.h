@@ -53,7 +53,8 @@ enum class Schedule {
   /// (device w runs stages w and 2W-1-w, so the first and the last stage
   /// share device 0), each backward split as in ZB-H1. Near-zero bubble at
   /// 1F1B's activation memory; `virtual_stages` is 2 (balance has 2W
-  /// entries). Within one process so far (DistributedPipe refuses it).
+  /// entries). Over a group, rank r runs stages r and 2R-1-r: rank 0 is
+  /// both the first and the last.
   ZBV,
 };
 

@@ -107,6 +107,14 @@ class _Closed:
                            "joined, its process groups released); build a new pipe")
 
 
+def _rank_of_stage(schedule: Any, ranks: int, stages: int) -> List[int]:
+    """Which rank runs each stage: a loop (stage s on rank s mod R), or ZB-V's V (rank r runs
+    stages r and 2R-1-r, so the first and the last stage share rank 0)."""
+    if schedule == "zb_v":
+        return [s if s < ranks else 2 * ranks - 1 - s for s in range(stages)]
+    return [s % ranks for s in range(stages)]
+
+
 def _find_ties(module: nn.Sequential, rank_of_layer: List[int]
                 ) -> List[Tuple[List[str], List[int], Tensor]]:
     """The parameters that layers on two or more ranks share (tied weights), found by
@@ -142,12 +150,13 @@ class Pipe(nn.Module):
     structure) and wraps it; rank r of ``group`` keeps the layers of the
     stages it owns and drops the rest. With R ranks and ``virtual_stages``
     v, ``balance`` has K = R * v entries (layers per stage) and stage s runs
-    on rank s mod R. ``parameters()`` and ``state_dict()`` hold this rank's
+    on rank s mod R (under 'zb_v', in a V: rank r runs stages r and 2R-1-r, so
+    the first and the last stage share rank 0). ``parameters()`` and ``state_dict()`` hold this rank's
     layers only, under the Sequential's names ("4.weight"), so the union of
     all ranks' state dicts is the Sequential's.
 
     A step runs the same schedules as :meth:`gpipe.Pipe.train_step`
-    ('gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1') through the same
+    ('gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1', 'zb_v') through the same
     executor; activations and grads travel between ranks by c10d
     isend/irecv with a small header (shapes, dtypes, grad flags), so shapes
     may change from step to step.
@@ -157,11 +166,13 @@ class Pipe(nn.Module):
         balance: layers per stage, R * virtual_stages entries.
         chunks: micro-batches per mini-batch; a batch must have at least
             ``chunks`` rows (every rank plans ``chunks`` micro-batches).
-        schedule: 'gpipe', '1f1b' (default), 'interleaved_1f1b' or 'zb_h1', or a
-            :class:`gpipe.Schedule` (a CSV table, one row per rank).
+        schedule: 'gpipe', '1f1b' (default), 'interleaved_1f1b', 'zb_h1' or 'zb_v' (two
+            stages per rank in a V), or a :class:`gpipe.Schedule` (a CSV table, one row
+            per rank).
         checkpoint: 'always', 'except_last' (default) or 'never', or a list of one mode
             per stage (all ranks' stages).
-        virtual_stages: stages per rank (interleaved_1f1b), default 1.
+        virtual_stages: stages per rank (interleaved_1f1b; 2 under zb_v, implied),
+            default 1.
         group: the pipeline's process group (default: the world).
         mesh: instead of ``group``, a DeviceMesh with a dimension named "pp":
             the pipeline runs over it, and its other dimensions are free for
@@ -257,17 +268,12 @@ class Pipe(nn.Module):
         self.output_batch_dim = output_batch_dim
         self.chunks = _parse_chunks(chunks)
         self.schedule = _parse_schedule(schedule)
-        if self.schedule == "zb_v":
-            raise ValueError("schedule 'zb_v' runs within one process so far (gpipe.Pipe): its "
-                             "V placement is not taught to the ranks yet; use 'zb_h1' or "
-                             "'interleaved_1f1b' over a process group")
         self.checkpoint = _parse_checkpoint(checkpoint)
         self.virtual_stages = _as_int(virtual_stages, "virtual_stages",
                                       "pass the number of stages per rank, e.g. 2")
         if self.virtual_stages < 1:
             raise ValueError(f"virtual_stages must be at least 1, got {self.virtual_stages}")
-        if isinstance(self.schedule, Schedule):
-            self.virtual_stages = _schedule_stages(self.schedule, self.virtual_stages, "rank")
+        self.virtual_stages = _schedule_stages(self.schedule, self.virtual_stages, "rank")
         if mesh is not None:
             if group is not None:
                 raise ValueError("pass the pipeline's ranks as group= or as mesh= (a DeviceMesh "
@@ -285,15 +291,18 @@ class Pipe(nn.Module):
         balance = _parse_balance(balance)
         stages = ranks * self.virtual_stages
         if len(balance) != stages:
+            where = ("rank r runs stages r and 2R-1-r" if self.schedule == "zb_v"
+                     else f"stage s runs on rank s % {ranks}")
             raise ValueError(
                 f"balance has {len(balance)} stages but the group has {ranks} ranks x "
                 f"virtual_stages {self.virtual_stages} = {stages} stages; pass {stages} entries "
-                f"(layers per stage; stage s runs on rank s % {ranks})")
+                f"(layers per stage; {where})")
         _check_balance(module, balance)
         verify_skippables(module)
         self.balance = balance
         self.device = torch.device(device) if device is not None else _default_device(self.group)
-        self.stages: List[int] = [s for s in range(stages) if s % ranks == self.rank]
+        rank_of_stage = _rank_of_stage(self.schedule, ranks, stages)
+        self.stages: List[int] = [s for s in range(stages) if rank_of_stage[s] == self.rank]
         self.is_first = 0 in self.stages
         self.is_last = stages - 1 in self.stages
 
@@ -331,7 +340,7 @@ class Pipe(nn.Module):
 
         # What every rank must share, compared before anything else travels;
         # then the parameters tied across ranks.
-        rank_of_layer = [s % ranks for s in range(stages) for _ in range(balance[s])]
+        rank_of_layer = [rank_of_stage[s] for s in range(stages) for _ in range(balance[s])]
         ties = _find_ties(module, rank_of_layer)
         settings = [("balance", str(balance)), ("chunks", str(self.chunks)),
                     ("schedule", (self.schedule.csv.replace("\n", "; ")
@@ -655,7 +664,8 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
              stages: Optional[int] = None, balance_by: str = "params", tracer: str = "fx",
              **pipe_options: Any) -> Pipe:
     """:func:`gpipe.pipeline` over ranks: cuts ``module`` into stages at ``split_points``
-    and returns a :class:`Pipe` whose stage s runs on rank s mod R (R the group's size).
+    and returns a :class:`Pipe` whose stage s runs on rank s mod R (R the group's size; under
+    ``schedule='zb_v'``, two stages per rank in a V).
 
     Every rank calls it with the same module (built the same way) and the same arguments;
     each traces the module and keeps its own stages. K split points give K + 1 stages,
@@ -684,6 +694,8 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
     if pipe_options.get("mesh") is not None:
         group = _pp_group(pipe_options["mesh"])
     virtual = pipe_options.get("virtual_stages", 1)
+    if pipe_options.get("schedule") == "zb_v" and virtual == 1:
+        virtual = 2  # two stages per rank in a V, implied
     wanted = dist.get_world_size(group) * (virtual if isinstance(virtual, int) else 1)
     if split_points is None and stages is None:
         stages = wanted
@@ -702,8 +714,7 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
             and not isinstance(pipe_options.get("schedule"), Schedule)):
         raise ValueError(f"the split points give {len(cut.stages)} stages but the pipeline has "
                          f"{wanted // virtual} ranks x virtual_stages {virtual} = {wanted} "
-                         f"stages; pass {wanted - 1} split points (stage s runs on rank s % "
-                         f"{wanted // virtual}), or stages={wanted}")
+                         f"stages; pass {wanted - 1} split points, or stages={wanted}")
     return _PipelinedPipe(cut)
 
 

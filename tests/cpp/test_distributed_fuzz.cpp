@@ -326,7 +326,11 @@ Config draw_config(uint64_t seed) {
   c.matching = d.chance(50) ? FakeMatching::ByTag : FakeMatching::ByOrder;
   c.schedule = d.pick(std::vector<Schedule>{Schedule::GPipe, Schedule::OneFOneB,
                                             Schedule::Interleaved1F1B, Schedule::ZBH1});
-  c.virtual_stages = c.schedule == Schedule::Interleaved1F1B ? d.in(2, 3) : 1;
+  // Half the zb_h1 draws run ZB-V instead: two stages per rank in a V.
+  if (c.schedule == Schedule::ZBH1 && d.chance(50)) c.schedule = Schedule::ZBV;
+  c.virtual_stages = c.schedule == Schedule::Interleaved1F1B ? d.in(2, 3)
+                     : c.schedule == Schedule::ZBV          ? 2
+                                                            : 1;
   c.checkpoint = d.pick(std::vector<Checkpoint>{Checkpoint::Always, Checkpoint::ExceptLast,
                                                 Checkpoint::Never});
   c.chunks = d.in(1, 6);
@@ -637,11 +641,13 @@ std::string run_config(const Config& c) {
     const std::string after = "after step " + std::to_string(s + 1) + ": ";
     close(pipe_losses[s], plain_losses[s], after + "Pipe's loss vs the plain Sequential's");
     std::map<std::string, int> holders;
+    // The last stage's rank: the last rank, or rank 0 under ZB-V's V.
+    const int last_rank = c.schedule == Schedule::ZBV ? 0 : c.ranks - 1;
     for (int r = 0; r < c.ranks; ++r) {
       const auto& out = results[static_cast<size_t>(r)][s];
       const std::string who = after + "rank " + std::to_string(r) + " ";
-      if (lasts[static_cast<size_t>(r)] != (r == c.ranks - 1)) problem(who + "is_last is wrong");
-      if (r == c.ranks - 1) {
+      if (lasts[static_cast<size_t>(r)] != (r == last_rank)) problem(who + "is_last is wrong");
+      if (r == last_rank) {
         close(out.loss, plain_losses[s], who + "loss vs the plain Sequential's");
         close(out.loss, pipe_losses[s], who + "loss vs Pipe's");
         if (out.eval.size() != plain_outs[s].size()) {

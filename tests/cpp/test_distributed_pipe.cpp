@@ -169,7 +169,7 @@ void check_equal_to_pipe_and_plain(FakeMatching matching) {
     for (int ranks : {2, 4}) {
       for (auto [schedule, v] : {std::pair{Schedule::GPipe, 1}, std::pair{Schedule::OneFOneB, 1},
                                  std::pair{Schedule::Interleaved1F1B, 2},
-                                 std::pair{Schedule::ZBH1, 1}}) {
+                                 std::pair{Schedule::ZBH1, 1}, std::pair{Schedule::ZBV, 2}}) {
         for (auto mode : {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
           const Layout layout{ranks, schedule, v, mode};
           INFO(describe(layout, skips));
@@ -223,7 +223,8 @@ void check_equal_to_pipe_and_plain(FakeMatching matching) {
             const auto& out = results[static_cast<size_t>(r)];
             INFO("rank " << r);
             CHECK(out.first == (r == 0));
-            CHECK(out.last == (r == ranks - 1));
+            // ZB-V's V brings the last stage back to rank 0.
+            CHECK(out.last == (r == (schedule == Schedule::ZBV ? 0 : ranks - 1)));
             if (out.last) {
               CHECK(max_abs_diff(out.loss, expected.detach()) <= kTolerance);
               CHECK(max_abs_diff(out.loss, pipe_loss) <= kTolerance);
@@ -354,7 +355,7 @@ void check_tuple_steps(FakeMatching matching) {
   for (int ranks : {2, 4}) {
     for (auto [schedule, v] : {std::pair{Schedule::OneFOneB, 1},
                                std::pair{Schedule::Interleaved1F1B, 2},
-                               std::pair{Schedule::ZBH1, 1}}) {
+                               std::pair{Schedule::ZBH1, 1}, std::pair{Schedule::ZBV, 2}}) {
       const Layout layout{ranks, schedule, v, Checkpoint::ExceptLast};
       INFO(describe(layout, false) << ", tuples");
       const int64_t stages = ranks * v;
@@ -397,7 +398,7 @@ void check_tuple_steps(FakeMatching matching) {
         const auto& out = results[static_cast<size_t>(r)];
         const auto& eval = evals[static_cast<size_t>(r)];
         INFO("rank " << r);
-        CHECK(out.last == (r == ranks - 1));
+        CHECK(out.last == (r == (schedule == Schedule::ZBV ? 0 : ranks - 1)));
         if (out.last) {
           CHECK(max_abs_diff(out.loss, expected.detach()) <= kTolerance);
           REQUIRE(eval.size() == expected_out.size());
@@ -557,7 +558,8 @@ void check_pp_dp(const PpDp& c) {
       INFO("thread " << thread);
       const auto& out = results[static_cast<size_t>(thread)][step];
       CHECK(out.first == (thread % 2 == 0));
-      CHECK(out.last == (thread % 2 == 1));
+      // ZB-V's V brings the last stage back to the first rank.
+      CHECK(out.last == (thread % 2 == (c.schedule == Schedule::ZBV ? 0 : 1)));
       if (out.last) {
         const int pipeline = thread / 2;
         CHECK(max_abs_diff(out.loss, expected_half_loss[step][static_cast<size_t>(pipeline)]) <=
@@ -592,7 +594,7 @@ void check_pp_dp(const PpDp& c) {
 void check_pp_dp_every_schedule(FakeMatching matching) {
   for (auto [schedule, v] : {std::pair{Schedule::OneFOneB, 1},
                              std::pair{Schedule::Interleaved1F1B, 2},
-                             std::pair{Schedule::ZBH1, 1}}) {
+                             std::pair{Schedule::ZBH1, 1}, std::pair{Schedule::ZBV, 2}}) {
     // 1e-6 MiB (1 byte): one bucket per parameter.
     for (double cap : {0.0, 1e-6}) check_pp_dp({schedule, v, matching, cap, false});
   }
@@ -603,7 +605,8 @@ void check_pp_dp_every_schedule(FakeMatching matching) {
 TEST_CASE("distributed_pipe: one rank's step equals the plain Sequential's", "[distributed]") {
   for (auto [schedule, v] : {std::pair{gpipe::Schedule::OneFOneB, 1},
                              std::pair{gpipe::Schedule::Interleaved1F1B, 2},
-                             std::pair{gpipe::Schedule::ZBH1, 1}}) {
+                             std::pair{gpipe::Schedule::ZBH1, 1},
+                             std::pair{gpipe::Schedule::ZBV, 2}}) {
     auto model = mlp();
     auto plain = mlp();
     gpipe::DistributedPipe pipe(model, gpipe::DistributedPipeOptions(v == 1 ? std::vector<int64_t>{4}
@@ -643,6 +646,17 @@ TEST_CASE("distributed_pipe: bad options name the value and the fix", "[distribu
                     "stages; pass 1 entries");
   CHECK_THROWS_WITH(gpipe::DistributedPipe(model, gpipe::DistributedPipeOptions({4})),
                     Catch::Contains("has no group"));
+  CHECK_THROWS_WITH(gpipe::DistributedPipe(model, gpipe::DistributedPipeOptions({1, 1, 1, 1})
+                                                      .schedule(gpipe::Schedule::ZBV)
+                                                      .virtual_stages(4)
+                                                      .group(one_rank())),
+                    "virtual_stages is 4 but schedule zb_v runs two stages per rank; leave "
+                    "virtual_stages at 1 or pass 2");
+  CHECK_THROWS_WITH(gpipe::DistributedPipe(model, gpipe::DistributedPipeOptions({2, 2})
+                                                      .virtual_stages(2)
+                                                      .group(one_rank())),
+                    "virtual_stages is 2 but schedule 1f1b runs one stage per rank; use "
+                    "Schedule::Interleaved1F1B, or virtual_stages 1");
   gpipe::DistributedPipe pipe(model, gpipe::DistributedPipeOptions({4}).chunks(4).group(one_rank()));
   CHECK_THROWS_WITH(
       pipe->train_step(torch::randn({3, 6}, torch::kFloat64), torch::randn({3, 6}, torch::kFloat64),
@@ -751,7 +765,7 @@ TEST_CASE("distributed_pipe: with dp_group a frozen parameter keeps no grad on a
           "[distributed]") {
   for (auto [schedule, v] : {std::pair{Schedule::OneFOneB, 1},
                              std::pair{Schedule::Interleaved1F1B, 2},
-                             std::pair{Schedule::ZBH1, 1}}) {
+                             std::pair{Schedule::ZBH1, 1}, std::pair{Schedule::ZBV, 2}}) {
     for (double cap : {0.0, 1e-6}) check_pp_dp({schedule, v, FakeMatching::ByTag, cap, true});
   }
 }

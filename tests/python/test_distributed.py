@@ -181,7 +181,8 @@ def _worker_train() -> None:
     torch.manual_seed(1)
     x = torch.randn(12, 6, dtype=torch.double)
     y = torch.randn(12, 6, dtype=torch.double)
-    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)):
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1),
+                        ("zb_v", 2)):
         layers = 8 * v
         model = _mlp(layers)
         single = gpipe.Pipe(copy.deepcopy(model), [2] * (WORLD * v), chunks=4,
@@ -191,7 +192,7 @@ def _worker_train() -> None:
         _check_step(schedule, model, pipe, x, y, single)
 
     # Skips between ranks: straight from the stashing stage's rank to the popping one's.
-    for schedule, v in (("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)):
+    for schedule, v in (("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zb_v", 2)):
         model = _with_skips()
         pipe = gpipe.distributed.Pipe(model, [2] * WORLD if v == 1 else [1] * (WORLD * v),
                                       chunks=4, schedule=schedule, virtual_stages=v)
@@ -222,7 +223,7 @@ def _worker_train() -> None:
 
     # Seeded steps with dropout on every rank are bitwise reproducible: one
     # worker per rank draws in its plan's fixed order.
-    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"):
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v"):
         for checkpoint in ("always", "except_last", "never"):
             digests = [_seeded_dropout_steps(gpipe.distributed, schedule, checkpoint)
                        for _ in range(2)]
@@ -239,7 +240,7 @@ def _seeded_dropout_steps(distributed, schedule: str, checkpoint: str) -> str:
 
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(WORLD) for m in (nn.Linear(6, 6), nn.Dropout(0.4))])
-    v = 2 if schedule == "interleaved_1f1b" else 1
+    v = 2 if schedule in ("interleaved_1f1b", "zb_v") else 1
     pipe = distributed.Pipe(model.double(), [2 // v] * (WORLD * v), chunks=4, schedule=schedule,
                             virtual_stages=v, checkpoint=checkpoint)
     torch.manual_seed(7)
@@ -274,7 +275,7 @@ def _worker_cuda() -> None:
     torch.manual_seed(1)
     x = torch.randn(12, 6, dtype=torch.double)
     y = torch.randn(12, 6, dtype=torch.double)
-    for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)):
+    for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2)):
         model = _mlp(2 * world * v)
         reference = copy.deepcopy(model)
         # Over NCCL the device defaults to this rank's GPU; over Gloo, CPU.
@@ -442,7 +443,7 @@ def _results(run, check):
     return {r: x[0] for r, x in found.items()}
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v"])
 def test_grads_equal_sequential(train, schedule):
     results = _results(train, schedule)
     for rank, r in results.items():
@@ -451,13 +452,15 @@ def test_grads_equal_sequential(train, schedule):
         assert r["handoffs"] == train["handoffs"], (rank, r)
     # Every parameter on exactly one rank, under the Sequential's names.
     names = sorted(n for r in results.values() for n in r["params"])
-    v = 2 if schedule == "interleaved_1f1b" else 1
+    v = 2 if schedule in ("interleaved_1f1b", "zb_v") else 1
     assert names == sorted(n for n, _ in _mlp(8 * v).named_parameters())
-    if v == 2:
+    if schedule == "interleaved_1f1b":
         assert [results[r]["stages"] for r in range(WORLD)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    if schedule == "zb_v":  # in a V: the first and the last stage on rank 0
+        assert [results[r]["stages"] for r in range(WORLD)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "interleaved_1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "interleaved_1f1b", "zb_v"])
 def test_skips_between_ranks(train, schedule):
     results = _results(train, f"skips-{schedule}")
     for rank, r in results.items():
@@ -486,7 +489,7 @@ def test_eval_step(train):
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v"])
 def test_seeded_steps_with_dropout_are_reproducible(train, schedule, checkpoint):
     """Each rank is one worker, so its stages draw in their plan's order: two seeded runs give
     bitwise the same losses and grads on every rank (issue 22 item 4)."""
@@ -571,7 +574,7 @@ def test_stages_on_the_gpu(backend, world, handoffs):
     """NCCL needs a GPU per process, so on one GPU: NCCL with one rank, and Gloo with 4 ranks'
     stages on the GPU (both hand-off modes)."""
     run = _spawn("cuda", world=world, handoffs=handoffs, GPIPE_TEST_BACKEND=backend)
-    for schedule in ("1f1b", "interleaved_1f1b", "zb_h1"):
+    for schedule in ("1f1b", "interleaved_1f1b", "zb_h1", "zb_v"):
         for rank, r in _results(run, f"cuda-{schedule}").items():
             assert r["grad_error"] <= 1e-10, (schedule, rank, r)
             assert r["loss_error"] <= 1e-10, (schedule, rank, r)
@@ -587,7 +590,7 @@ def test_stages_on_several_gpus_over_nccl(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA devices, found {torch.cuda.device_count()}")
     run = _spawn("cuda", world=world, handoffs="ordered", GPIPE_TEST_BACKEND="nccl")
-    for schedule in ("1f1b", "interleaved_1f1b", "zb_h1"):
+    for schedule in ("1f1b", "interleaved_1f1b", "zb_h1", "zb_v"):
         for rank, r in _results(run, f"cuda-{schedule}").items():
             assert r["grad_error"] <= 1e-10, (schedule, rank, r)
             assert r["loss_error"] <= 1e-10, (schedule, rank, r)
@@ -598,11 +601,14 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os
                        "examples", "train_distributed.py")
 
 
-def test_example_under_torchrun():
-    """README's command: torchrun --nproc-per-node 4 examples/train_distributed.py."""
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_v"])
+def test_example_under_torchrun(schedule):
+    """README's command: torchrun --nproc-per-node 4 examples/train_distributed.py (and with
+    --schedule zb_v, the V over the ranks)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           str(WORLD), "--master-port", str(_free_port()), EXAMPLE],
+                           str(WORLD), "--master-port", str(_free_port()), EXAMPLE,
+                           "--schedule", schedule],
                           env=env, capture_output=True, text=True, timeout=SPAWN_DEADLINE)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out

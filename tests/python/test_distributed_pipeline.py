@@ -63,18 +63,21 @@ def _worker_gpt() -> None:
     torch.manual_seed(0)
     mask = causal()
     idx, tgt = idx_of(6), idx_of(6)
-    for schedule in ("interleaved_1f1b",) + SCHEDULES:  # the last pipe serves the checks below
+    # The last pipe serves the checks below.
+    for schedule in ("interleaved_1f1b", "zb_v") + SCHEDULES:
         torch.manual_seed(1)
         model = gpt()
         torch.manual_seed(1)
         plain = gpt()
-        # interleaved: 6 stages, two per rank (rank r holds stages r and r + 3).
-        interleaved = schedule == "interleaved_1f1b"
-        split = (["blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f"] if interleaved
+        # interleaved: 6 stages, two per rank (rank r holds stages r and r + 3); zb_v: 6
+        # stages in a V (rank r holds stages r and 5 - r; virtual_stages implied).
+        six = schedule in ("interleaved_1f1b", "zb_v")
+        split = (["blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f"] if six
                  else ["blocks.1", "blocks.3"])
         pipe = gpipe.distributed.pipeline(model, split, (idx_of(2),),
                                           {"attention_mask": mask}, chunks=3, schedule=schedule,
-                                          virtual_stages=2 if interleaved else 1,
+                                          virtual_stages=2 if schedule == "interleaved_1f1b"
+                                          else 1,
                                           batch_dim={"attention_mask": None})
         loss = pipe.train_step((idx,) if pipe.is_first else None, tgt if pipe.is_last else None,
                                loss_fn=lm_loss,
@@ -195,13 +198,19 @@ def _worker_dcp() -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES + ("interleaved_1f1b",))
+@pytest.mark.parametrize("schedule", SCHEDULES + ("interleaved_1f1b", "zb_v"))
 def test_gpt_over_three_ranks_equals_the_module(schedule):
     found = td._results(_run("gpt", 3), schedule)
-    last = 5 if schedule == "interleaved_1f1b" else 2
     for rank, r in found.items():
         assert r["grad_error"] <= 1e-10, (rank, r)
         assert r["loss_error"] <= 1e-10, (rank, r)
+        if schedule == "zb_v":
+            # A V: the first and the last stage (the embedding and the head that reuses its
+            # weight) on rank 0, so the tie needs no exchange.
+            assert r["stages"] == [rank, 5 - rank], (rank, r)
+            assert r["ties"] == [], (rank, r)
+            continue
+        last = 5 if schedule == "interleaved_1f1b" else 2
         assert r["stages"] == ([rank, rank + 3] if last == 5 else [rank]), (rank, r)
         # lm_head reuses the token embedding: tied across the first and the last rank.
         assert r["ties"] == [[["0.tok.weight", f"{last}.lm_head.weight"], [0, 2]]], (rank, r)
