@@ -46,6 +46,10 @@ namespace gpipe::detail {
 /// "1 layer", "2 layers", "0 layers": a count with its noun, for messages.
 std::string count(int64_t n, const char* noun);
 
+/// The first line of an error (a Python error's what() goes on with its
+/// traceback): what the other ranks are told.
+std::string first_line(const std::string& text);
+
 namespace listing {
 template <typename T>
 void put(std::ostream& out, const T& value) {

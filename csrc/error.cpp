@@ -43,6 +43,8 @@ void throw_index_error(std::string message) {
   throw c10::IndexError(std::move(message), /*backtrace=*/nullptr);
 }
 
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
 std::string count(int64_t n, const char* noun) {
   return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
 }

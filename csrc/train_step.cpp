@@ -174,10 +174,6 @@ std::vector<int64_t> rows_of(const Scattered& scattered) {
   return {};
 }
 
-// The first line of an error (a Python error's what() goes on with its
-// traceback): what the other ranks are told.
-std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
-
 int64_t total(const std::vector<int64_t>& values) {
   int64_t sum = 0;
   for (int64_t v : values) sum += v;

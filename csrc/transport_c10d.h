@@ -73,6 +73,10 @@
 // error naming that rank. After a failed step the group's point-to-point
 // state is undefined (unmatched messages may remain): the step's owner
 // refuses further steps.
+//
+// Files: transport_c10d.cpp (what both modes share), transport_tagged.cpp,
+// transport_ordered.cpp, and transport_wire.h (the header's layout, theirs
+// alone).
 #pragma once
 
 #include "plan.h"
@@ -217,7 +221,14 @@ class ProcessGroupTransport final : public Transport {
   /// Ends the reaper's wait (not the send) and joins it.
   void stop_reaper();
 
-  // The ordered mode (see the top of this file).
+  // The tagged mode (transport_tagged.cpp; see the top of this file):
+  // under mutex_, posts the step's header receives and the first window of
+  // early tensors' receives.
+  void tagged_begin(const Handoffs& handoffs);
+  void tagged_send(const Address& to, int dst, Batch batch);
+  std::optional<Payload> tagged_receive(const Address& at, int from);
+
+  // The ordered mode (transport_ordered.cpp; see the top of this file).
   struct Channel {
     int64_t expected = 0;  // messages this step
     int64_t taken = 0;     // messages read
