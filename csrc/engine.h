@@ -70,7 +70,7 @@ struct PipeRun {
 /// The stage's compute stream made current for a cell (nothing on CPU).
 std::optional<c10::StreamGuard> on_compute_stream(const Stage& stage);
 /// Which stages a backward running on the autograd engine thread of
-/// accelerator index `thread` runs inline (the deadlock rule, engine.cpp):
+/// accelerator index `thread` runs inline (the deadlock rule, engine_backward.cpp):
 /// stage j when it lives on an accelerator of that index, or when its
 /// cells' graphs have nodes there (`graph_devices[j]`, from their cuts).
 std::vector<bool> stages_inline_on(c10::DeviceIndex thread,

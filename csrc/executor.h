@@ -59,7 +59,7 @@ class Executor {
   /// Workers run with `state` as their thread-local state. The calling
   /// thread runs the cells of the stages marked in `inline_stages` itself,
   /// in `serialize(schedule)` order, while the workers run the others (the
-  /// CUDA deadlock rule, see engine.cpp); empty: none. `placement[s]`: the
+  /// CUDA deadlock rule, see engine_backward.cpp); empty: none. `placement[s]`: the
   /// worker of stage s (empty: s mod workers()).
   std::vector<Payload> run(const Schedule& schedule, std::vector<Payload> sources, const CellFn& cell,
                            const at::ThreadLocalState& state,

@@ -127,7 +127,7 @@ struct Cut {
   /// The devices other than the CPU that the graph's nodes (capture nodes
   /// included) take grads on, once each. Autograd runs a node on the engine
   /// thread of that device, so a backward of this graph needs those threads
-  /// (the deadlock rule, engine.cpp).
+  /// (the deadlock rule, engine_backward.cpp).
   std::vector<c10::Device> devices;
 };
 
