@@ -7,6 +7,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/pin_memory.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
@@ -175,9 +176,20 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
   }
   // Gloo's sends say they are done only to a wait (see reap_in_order).
   if (gloo_ && size_ > 1) reaper_ = std::thread([this] { reap_in_order(); });
+  const char* async = std::getenv("GPIPE_ASYNC_SENDS");
+  if (async != nullptr && *async != '\0') {
+    const std::string mode = async;
+    GPIPE_CHECK_VALUE(mode == "0" || mode == "1", "GPIPE_ASYNC_SENDS is '", mode,
+                      "'; set it to 1 (sends on a thread of their own, the default) or 0 (on "
+                      "the worker), or unset it");
+  }
+  if (size_ > 1 && (async == nullptr || std::string(async) != "0")) {
+    sender_ = std::thread([this] { send_in_order(); });
+  }
 }
 
 ProcessGroupTransport::~ProcessGroupTransport() {
+  stop_sender();
   stop_reaper();
   // A step that ended normally left nothing in flight; after a failure
   // `fail` buried what was. Anything left here comes from an exception
@@ -366,6 +378,10 @@ void ProcessGroupTransport::begin(int64_t microbatches, const Handoffs& handoffs
   cancelled_.store(false);
   peer_failure_.reset();
   local_.emplace(stages_, microbatches, static_cast<int64_t>(routes_.size()));
+  {
+    std::lock_guard<std::mutex> hold(sender_mutex_);
+    TORCH_INTERNAL_ASSERT(outgoing_.empty() && !delivering_ && !sender_error_);
+  }
   if (ordered_ && !connected_ && size_ > 1) {
     connect();
     connected_ = true;
@@ -492,6 +508,20 @@ at::Tensor ProcessGroupTransport::wire_tensor(int64_t ints) const {
 }
 
 void ProcessGroupTransport::send_tensor(at::Tensor t, int dst, int tag, std::vector<Pending>& out) {
+  Pending p;
+  p.tensors = {on_wire(std::move(t))};
+  p.work = (ordered_ ? lane_group(rank_, dst) : *group_).send(p.tensors, dst, tag);
+  out.push_back(std::move(p));
+}
+
+Batch ProcessGroupTransport::wire_values(Batch batch) const {
+  for (auto& value : batch.values) {
+    if (value.defined()) value = on_wire(value.detach());
+  }
+  return batch;
+}
+
+at::Tensor ProcessGroupTransport::on_wire(at::Tensor t) const {
   if (gloo_) {
     // Gloo reads the tensor's memory on the host.
     if (!t.device().is_cpu()) t = t.cpu();
@@ -506,10 +536,7 @@ void ProcessGroupTransport::send_tensor(at::Tensor t, int dst, int tag, std::vec
   } else if (t.device() != device_) {
     t = t.to(device_);
   }
-  Pending p;
-  p.tensors = {t.contiguous()};
-  p.work = (ordered_ ? lane_group(rank_, dst) : *group_).send(p.tensors, dst, tag);
-  out.push_back(std::move(p));
+  return t.contiguous();
 }
 
 void ProcessGroupTransport::send_values(const Batch& batch, int dst, int tag,
@@ -545,6 +572,16 @@ void ProcessGroupTransport::send(const Address& to, Payload payload) {
     local_->send(to, std::move(payload));
     return;
   }
+  if (sender_.joinable()) {
+    std::lock_guard<std::mutex> hold(sender_mutex_);
+    outgoing_.push_back(Outgoing{to, dst, std::move(payload)});
+    outgoing_changed_.notify_all();
+    return;
+  }
+  deliver(to, dst, std::move(payload));
+}
+
+void ProcessGroupTransport::deliver(const Address& to, int dst, Payload payload) {
   Batch batch = settle(std::move(payload));
   if (ordered_) {
     ordered_send(to, dst, std::move(batch));
@@ -566,7 +603,78 @@ void ProcessGroupTransport::cancel() {
   if (local_) local_->cancel();
 }
 
+void ProcessGroupTransport::send_in_order() {
+  // On a GPU the sender's current stream (the device's default) waits for
+  // each payload's ready events (settle) before the backend reads it.
+  std::optional<c10::DeviceGuard> on_device;
+  if (!device_.is_cpu()) on_device.emplace(device_);
+  std::unique_lock<std::mutex> hold(sender_mutex_);
+  while (true) {
+    outgoing_changed_.wait(hold, [&] {
+      return stop_sender_ || (!outgoing_.empty() && !sender_error_);
+    });
+    if (stop_sender_) return;
+    Outgoing next = std::move(outgoing_.front());
+    outgoing_.pop_front();
+    delivering_ = true;
+    hold.unlock();
+    std::exception_ptr error;
+    try {
+      deliver(next.to, next.dst, std::move(next.payload));
+    } catch (...) {
+      error = std::current_exception();
+    }
+    hold.lock();
+    delivering_ = false;
+    if (error) sender_error_ = error;
+    outgoing_changed_.notify_all();
+    if (error) {
+      // The workers may wait for a peer that waits for this hand-off: stop
+      // them now (finish() reports the error, fail() tells the peers).
+      hold.unlock();
+      cancel();
+      hold.lock();
+    }
+  }
+}
+
+void ProcessGroupTransport::drain_sends() {
+  if (!sender_.joinable()) return;
+  std::unique_lock<std::mutex> hold(sender_mutex_);
+  outgoing_changed_.wait(hold, [&] {
+    return (outgoing_.empty() && !delivering_) || sender_error_;
+  });
+  if (!sender_error_) return;
+  const std::exception_ptr error = sender_error_;
+  hold.unlock();
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    fail_between_ranks("gpipe: rank ", rank_, " could not hand its outputs on: ", e.what());
+  }
+}
+
+void ProcessGroupTransport::drop_sends() {
+  if (!sender_.joinable()) return;
+  std::unique_lock<std::mutex> hold(sender_mutex_);
+  outgoing_.clear();  // never sent: their addresses stay owed (failure headers)
+  outgoing_changed_.wait(hold, [&] { return !delivering_; });
+  sender_error_ = nullptr;
+}
+
+void ProcessGroupTransport::stop_sender() {
+  if (!sender_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> hold(sender_mutex_);
+    stop_sender_ = true;
+  }
+  outgoing_changed_.notify_all();
+  sender_.join();
+}
+
 void ProcessGroupTransport::finish() {
+  // Everything the workers sent is posted first (or its failure reported).
+  drain_sends();
   {
     std::lock_guard<std::mutex> hold(mutex_);
     TORCH_INTERNAL_ASSERT(headers_.empty() && early_.empty(), "gpipe: a step ended with ",
@@ -623,6 +731,8 @@ void ProcessGroupTransport::finish() {
 }
 
 void ProcessGroupTransport::fail(const std::string& what) {
+  // Queued hand-offs are not sent: their addresses get failure headers.
+  drop_sends();
   const auto [origin, text] =
       peer_failure_ ? *peer_failure_ : std::pair<int64_t, std::string>{rank_, first_line(what)};
   std::set<Key> owed;

@@ -64,6 +64,16 @@
 // asked for. A send that failed, or is still in flight, stays until
 // `finish` (which waits for the rest and reports a failed send) or `fail`.
 //
+// Sends leave the worker at once: `send` queues the hand-off for a thread of
+// this transport (the sender), which settles it (waits for its ready events
+// on its own current stream), then posts its header and tensors, in the
+// order the workers sent them. The worker goes on to its next task while
+// the backend's send calls run (on Gloo ~0.1 ms each, the worker's own time
+// before). A send that fails cancels the step's waits at once (the workers
+// stop) and `finish` reports it; `fail` drops what is still queued (its
+// addresses get failure headers). GPIPE_ASYNC_SENDS=0 sends on the worker
+// instead.
+//
 // Failure: a rank whose task fails calls `fail`, which sends a failure header
 // (origin rank and its message) to every address it still owes (ordered: to
 // every rank it still owes a message); the peer
@@ -218,6 +228,18 @@ class ProcessGroupTransport final : public Transport {
   void reap();
   /// The reaper's loop (Gloo): waits for sent_works_' front, drops it once taken.
   void reap_in_order();
+  /// Settles `payload` and posts its header and tensors to `dst` (tagged or
+  /// ordered); on the sender, or on the worker without one.
+  void deliver(const Address& to, int dst, Payload payload);
+  /// The sender's loop: delivers outgoing_ in order; on an error, keeps it
+  /// in sender_error_ and cancels the step.
+  void send_in_order();
+  /// Waits until the sender delivered everything queued; throws, naming
+  /// this rank, if a delivery failed.
+  void drain_sends();
+  /// Drops what is queued and waits for a delivery under way (fail()).
+  void drop_sends();
+  void stop_sender();
   /// Ends the reaper's wait (not the send) and joins it.
   void stop_reaper();
 
@@ -255,6 +277,13 @@ class ProcessGroupTransport final : public Transport {
   bool read_next(int from, Channel& channel, const std::string& what);
   /// Sends `t` (moved to where the backend reads it) to `dst`; kept in sent_works_.
   void send_tensor(at::Tensor t, int dst, int tag, std::vector<Pending>& out);
+  /// `t` where the backend reads it: on the host over Gloo, else on device_;
+  /// contiguous.
+  at::Tensor on_wire(at::Tensor t) const;
+  /// `batch`'s defined values on_wire: a hand-off makes them before its
+  /// header goes, so a value that cannot travel fails the send while the
+  /// peer still waits for a header (where a failure header reaches it).
+  Batch wire_values(Batch batch) const;
   at::Tensor wire_tensor(int64_t ints) const;
   /// A received value on device_ (copied there from the host over Gloo).
   at::Tensor landed(at::Tensor t) const;
@@ -303,11 +332,25 @@ class ProcessGroupTransport final : public Transport {
   std::map<std::pair<int, int64_t>, BatchMeta> sent_order_meta_;
   std::map<std::pair<int, int64_t>, BatchMeta> received_order_meta_;
   std::atomic<bool> cancelled_{false};
+  // The sender (see the top of this file): hand-offs queued by the workers,
+  // whether it is delivering one, how a delivery failed, its stop.
+  struct Outgoing {
+    Address to;
+    int dst;
+    Payload payload;
+  };
+  std::mutex sender_mutex_;
+  std::condition_variable outgoing_changed_;
+  std::deque<Outgoing> outgoing_;
+  bool delivering_ = false;
+  bool stop_sender_ = false;
+  std::exception_ptr sender_error_;
   // The failure a peer announced: its rank and message.
   std::optional<std::pair<int64_t, std::string>> peer_failure_;
-  // Last: started when everything it reads exists, joined (stop_reaper)
-  // before anything is destroyed.
+  // Last: started when everything they read exists, joined (stop_sender,
+  // stop_reaper) before anything is destroyed.
   std::thread reaper_;
+  std::thread sender_;
 };
 
 }  // namespace gpipe::detail

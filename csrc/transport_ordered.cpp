@@ -99,6 +99,7 @@ void ProcessGroupTransport::post_next(int from, Channel& channel) {
 
 void ProcessGroupTransport::ordered_send(const Address& to, int dst, Batch batch) {
   BatchMeta meta = describe(batch);
+  batch = wire_values(std::move(batch));
   std::vector<int64_t> ints{to.stage, static_cast<int64_t>(to.flow), to.microbatch, to.route};
   const auto encoded = encode(meta);
   ints.insert(ints.end(), encoded.begin(), encoded.end());

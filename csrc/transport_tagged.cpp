@@ -41,6 +41,7 @@ void ProcessGroupTransport::post_early(const Address& a) {
 
 void ProcessGroupTransport::tagged_send(const Address& to, int dst, Batch batch) {
   BatchMeta meta = describe(batch);
+  batch = wire_values(std::move(batch));
   send_wire(encode(meta), kBatch, dst, tag(to, kHeaderPart));
   // The receiver expects last step's shapes on kExpectedPart: filler of
   // those when they changed, the tensors on kChangedPart.

@@ -5,8 +5,10 @@
 #include "models.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <future>
 #include <map>
+#include <string>
 #include <thread>
 #include <tuple>
 
@@ -379,4 +381,62 @@ TEST_CASE("transport_c10d: a failed send is kept and reported by finish, naming 
                        Catch::Contains("expects [1] Float"));
   // Reported when it failed, not after the fake's 3 s timeout on B.
   CHECK(Clock::now() - start < std::chrono::seconds(3));
+}
+
+// Sends leave the worker (the sender thread delivers them): one whose
+// delivery fails stops the step at once. Rank 0 sends micro-batch 0's
+// activations (a meta tensor: Gloo reads host memory, and copying a meta
+// tensor out throws) and waits for their grads, which rank 1 makes only from
+// them. Rank 0's wait ends without waiting out the group's timeout, its
+// finish() names the failed send, and its fail() stops rank 1 naming rank 0;
+// the same with GPIPE_ASYNC_SENDS=0 (the send throws on the worker).
+TEST_CASE("transport_c10d: a send that fails on the sender stops the step at once, both ranks "
+          "name rank 0",
+          "[transport]") {
+  const char* outer = std::getenv("GPIPE_ASYNC_SENDS");
+  const std::string before = outer != nullptr ? outer : "";
+  for (const bool async : {true, false}) {
+    INFO((async ? "sends on the sender thread" : "GPIPE_ASYNC_SENDS=0"));
+    setenv("GPIPE_ASYNC_SENDS", async ? "1" : "0", 1);
+    const auto groups = gpipe_test::make_fake_groups(2, FakeMatching::ByTag,
+                                                     std::chrono::seconds(5));
+    const auto start = Clock::now();
+    bool receive_ended = false;
+    const auto errors = gpipe_test::run_ranks(2, [&](int rank) {
+      ProcessGroupTransport transport(groups[static_cast<size_t>(rank)], nullptr, /*stages=*/2);
+      Handoffs h;
+      if (rank == 0) {
+        h.sends.push_back({1, Flow::Activation, 0});
+        h.receives.push_back({0, Flow::Grad, 0});
+        transport.begin(1, h);
+        try {
+          transport.send({1, Flow::Activation, 0},
+                         Payload{Batch(torch::empty({2, 3}, torch::device(torch::kMeta))), {}});
+          receive_ended = !transport.receive({0, Flow::Grad, 0}).has_value();
+          transport.finish();
+        } catch (const std::exception& e) {
+          transport.fail(e.what());
+          throw;
+        }
+      } else {
+        h.receives.push_back({1, Flow::Activation, 0});
+        h.sends.push_back({0, Flow::Grad, 0});
+        transport.begin(1, h);
+        auto x = transport.receive({1, Flow::Activation, 0});
+        TORCH_CHECK(!x, "rank 1 got activations that were never sent");
+      }
+    });
+    if (outer != nullptr) {
+      setenv("GPIPE_ASYNC_SENDS", before.c_str(), 1);
+    } else {
+      unsetenv("GPIPE_ASYNC_SENDS");
+    }
+    CHECK(Clock::now() - start < std::chrono::seconds(5));
+    CHECK_THAT(errors[0], Catch::Contains("meta"));
+    if (async) {
+      CHECK(receive_ended);
+      CHECK_THAT(errors[0], Catch::Contains("rank 0 could not hand its outputs on"));
+    }
+    CHECK_THAT(errors[1], Catch::Contains("rank 0 failed"));
+  }
 }
