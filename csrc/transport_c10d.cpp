@@ -174,8 +174,8 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
     c10::impl::VirtualGuardImpl impl(device_.type());
     side_ = impl.getStreamFromGlobalPool(device_);
   }
-  // Gloo's sends say they are done only to a wait (see reap_in_order).
-  if (gloo_ && size_ > 1) reaper_ = std::thread([this] { reap_in_order(); });
+  // Checked before any thread starts (a constructor that throws with a
+  // thread running would terminate).
   const char* async = std::getenv("GPIPE_ASYNC_SENDS");
   if (async != nullptr && *async != '\0') {
     const std::string mode = async;
@@ -183,6 +183,8 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
                       "'; set it to 1 (sends on a thread of their own, the default) or 0 (on "
                       "the worker), or unset it");
   }
+  // Gloo's sends say they are done only to a wait (see reap_in_order).
+  if (gloo_ && size_ > 1) reaper_ = std::thread([this] { reap_in_order(); });
   if (size_ > 1 && (async == nullptr || std::string(async) != "0")) {
     sender_ = std::thread([this] { send_in_order(); });
   }
@@ -398,8 +400,6 @@ void ProcessGroupTransport::begin(int64_t microbatches, const Handoffs& handoffs
     tagged_begin(handoffs);
   }
 }
-
-
 
 ProcessGroupTransport::Pending ProcessGroupTransport::post_receive(c10d::ProcessGroup& group,
                                                                    std::vector<at::Tensor> tensors,

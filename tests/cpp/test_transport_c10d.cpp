@@ -439,4 +439,14 @@ TEST_CASE("transport_c10d: a send that fails on the sender stops the step at onc
     }
     CHECK_THAT(errors[1], Catch::Contains("rank 0 failed"));
   }
+  // Another value is refused by name, before any thread of the transport starts.
+  setenv("GPIPE_ASYNC_SENDS", "2", 1);
+  const auto groups = gpipe_test::make_fake_groups(2, FakeMatching::ByTag);
+  CHECK_THROWS_WITH(ProcessGroupTransport(groups[0], nullptr, 2),
+                    Catch::Contains("GPIPE_ASYNC_SENDS is '2'; set it to 1"));
+  if (outer != nullptr) {
+    setenv("GPIPE_ASYNC_SENDS", before.c_str(), 1);
+  } else {
+    unsetenv("GPIPE_ASYNC_SENDS");
+  }
 }
