@@ -29,7 +29,8 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
   GPIPE_CHECK_VALUE(v >= 1, "virtual_stages must be at least 1, got ", v);
   auto table = detail::schedule_table(options_.schedule_csv(), v);
   // ZB-V runs two stages per rank in a V: rank r holds stages r and 2R-1-r.
-  const bool v_shape = !table && options_.schedule() == Schedule::ZBV;
+  // Named, or a table placing its stages in a V.
+  const bool v_shape = table ? detail::v_placed(*table) : options_.schedule() == Schedule::ZBV;
   if (v_shape) {
     GPIPE_CHECK_VALUE(v == 1 || v == 2, "virtual_stages is ", v, " but schedule zb_v runs two "
                       "stages per rank; leave virtual_stages at 1 or pass 2");
@@ -84,7 +85,8 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
       std::move(parts), std::vector<c10::Device>(static_cast<size_t>(v), options_.device()),
       options_.chunks(), options_.checkpoint(), /*intra_op_threads=*/-1, v,
       // A table replaces the named schedule (set_plan below).
-      table ? detail::PlanKind::Custom : detail::plan_kind(options_.schedule()),
+      table ? (v_shape ? detail::PlanKind::ZBV : detail::PlanKind::Custom)
+            : detail::plan_kind(options_.schedule()),
       detail::Groups{group, options_.reverse_group(), options_.dp_group()});
   engine_->set_skip_routes(std::move(skips.routes));
   engine_->set_batch_dims(options_.batch_dim(), options_.output_batch_dim());

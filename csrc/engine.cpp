@@ -169,7 +169,7 @@ std::optional<Plan> schedule_table(const std::string& csv, int64_t& virtual_stag
   Plan plan;
   try {
     plan = plan_from_csv(csv);
-    require_loop_placement(plan);
+    require_runnable_placement(plan);
   } catch (const std::invalid_argument& e) {
     GPIPE_CHECK_VALUE(false, e.what());
   }

@@ -64,7 +64,8 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
                     "; it is the number of stages per device");
   auto table = detail::schedule_table(options_.schedule_csv(), v);
   options_.virtual_stages(v);
-  const bool v_shape = !table && options_.schedule() == Schedule::ZBV;
+  // ZB-V's V: named, or a table placing its stages so (plan.h).
+  const bool v_shape = table ? detail::v_placed(*table) : options_.schedule() == Schedule::ZBV;
   if (v_shape) {
     // ZB-V runs two stages per device in a V.
     GPIPE_CHECK_VALUE(v == 1 || v == 2, "virtual_stages is ", v, " but schedule zb_v runs two "
@@ -176,8 +177,10 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
         std::move(modules), offset, std::move(skips.arriving[j]), std::move(skips.leaving[j])));
     offset += balance[j];
   }
-  // A table replaces the named schedule (set_plan below).
-  const auto kind = table ? detail::PlanKind::Custom : detail::plan_kind(options_.schedule());
+  // A table replaces the named schedule (set_plan below); the engine is
+  // built for its placement (a V as ZB-V's).
+  const auto kind = table ? (v_shape ? detail::PlanKind::ZBV : detail::PlanKind::Custom)
+                          : detail::plan_kind(options_.schedule());
   engine_ = std::make_shared<detail::Engine>(std::move(parts), stage_devices, options_.chunks(),
                                              options_.checkpoint(), options_.intra_op_threads(),
                                              v, kind);

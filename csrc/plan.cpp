@@ -726,15 +726,22 @@ Plan plan_from_csv(const std::string& text) {
   return plan;
 }
 
-void require_loop_placement(const Plan& plan) {
+bool v_placed(const Plan& plan) {
+  return plan.stages == 2 * plan.workers && plan.placement == v_placement(plan.workers);
+}
+
+void require_runnable_placement(const Plan& plan) {
+  if (v_placed(plan)) return;
   for (int64_t s = 0; s < plan.stages; ++s) {
     if (plan.worker_of(s) == s % plan.workers) continue;
+    const std::string w = std::to_string(plan.workers);
     throw std::invalid_argument(
         "the schedule runs stage " + std::to_string(s) + " on row " +
-        std::to_string(plan.worker_of(s)) + ", but gpipe runs stage s on row s mod " +
-        std::to_string(plan.workers) + " (other placements, such as ZB-V's V, are planned "
-        "and simulated but not run yet); move stage " + std::to_string(s) +
-        "'s actions to row " + std::to_string(s % plan.workers));
+        std::to_string(plan.worker_of(s)) + ", but gpipe runs stage s on row s mod " + w +
+        ", or " + std::to_string(2 * plan.workers) + " stages in a V (row r: stages r and " +
+        std::to_string(2 * plan.workers - 1) + " - r); move stage " + std::to_string(s) +
+        "'s actions to row " + std::to_string(s % plan.workers) + ", or place every stage in "
+        "the V");
   }
 }
 

@@ -52,8 +52,8 @@ std::string describe(const Task& task);
 
 /// Which plan a Pipe's train_step runs (see gpipe::Schedule); Custom: a
 /// plan given as data (`plan_from_csv`). ZBV places its stages in a V: the
-/// in-process engine and the ranks run it (`placement_of`); CSV tables run
-/// loop placements only so far (`require_loop_placement`).
+/// in-process engine and the ranks run it (`placement_of`), and a CSV table
+/// placing its stages in a V (`require_runnable_placement`).
 enum class PlanKind : uint8_t { GPipe, OneFOneB, Interleaved1F1B, ZBH1, Custom, ZBV };
 
 /// "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "custom", "zb_v".
@@ -161,9 +161,11 @@ struct Simulation {
 /// each row); the plan is checked with `validate`.
 /// Throws std::invalid_argument naming the row, the cell and the fix.
 Plan plan_from_csv(const std::string& text);
-/// Throws std::invalid_argument naming the first stage that `plan` runs on
-/// another row than s mod W: the engine runs loop placements only so far.
-void require_loop_placement(const Plan& plan);
+/// Whether `plan` places its stages in ZB-V's V (2W stages, v_placement).
+bool v_placed(const Plan& plan);
+/// What the engine runs: a loop (stage s on row s mod W) or ZB-V's V.
+/// Throws std::invalid_argument naming the first stage placed otherwise.
+void require_runnable_placement(const Plan& plan);
 /// The plan as that CSV: one row per worker, no idle cells.
 std::string plan_to_csv(const Plan& plan);
 

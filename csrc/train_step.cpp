@@ -212,14 +212,24 @@ void Engine::set_plan(Plan plan) {
                     " micro-batches but chunks is ", chunks_, "; pass chunks=",
                     plan.microbatches, " or a schedule for ", chunks_, " micro-batches");
   try {
-    require_loop_placement(plan);
+    require_runnable_placement(plan);
     validate(plan);
   } catch (const std::invalid_argument& e) {
     GPIPE_CHECK_VALUE(false, e.what());
   }
+  // The stages were placed when the engine was made (their devices, over a
+  // group their ranks): a loop, or a V when built for one (Pipe and
+  // DistributedPipe build for the V when the table has it).
+  for (int64_t s = 0; s < all_stages_; ++s) {
+    const int64_t built = transport_ ? transport_->owner(s) : worker_of(s);
+    GPIPE_CHECK_VALUE(plan.worker_of(s) == built, "the schedule runs stage ", s, " on row ",
+                      plan.worker_of(s), " but the pipe placed it on ", per, " ", built,
+                      " (", placement_.empty() && (!transport_ || !transport_->v_placed())
+                                ? "a loop" : "a V",
+                      "); build the pipe with this schedule, or give a table of its placement");
+  }
   plan.kind = PlanKind::Custom;
   plan_kind_ = PlanKind::Custom;
-  placement_.clear();  // a table runs its stages in a loop (require_loop_placement)
   plan_ = std::move(plan);
 }
 

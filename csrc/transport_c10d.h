@@ -155,6 +155,8 @@ class ProcessGroupTransport final : public Transport {
   }
   /// The stages rank `rank` runs, in ascending order.
   std::vector<int64_t> stages_of(int rank) const;
+  /// Whether the stages lie in ZB-V's V (else a loop).
+  bool v_placed() const noexcept { return !placement_.empty(); }
   /// The rank that sends to `at`: the previous stage's for activations,
   /// the next stage's for grads, the other end of its route for a skip or
   /// its grad.

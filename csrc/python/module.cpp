@@ -71,7 +71,7 @@ void reraise_python(const gpipe::CellError& error) {
 detail::Plan plan_from_csv_or_raise(const std::string& text) {
   try {
     detail::Plan plan = detail::plan_from_csv(text);
-    detail::require_loop_placement(plan);  // a Schedule is for running
+    detail::require_runnable_placement(plan);  // a Schedule is for running
     return plan;
   } catch (const std::invalid_argument& e) {
     throw py::value_error(e.what());

@@ -145,7 +145,9 @@ struct PipeOptions {
   /// CSV format, one row of compute actions per device ("0F0,0F1,0B0,...";
   /// "0F3" forward of micro-batch 3 on stage 0, "1B2" backward, "1I2" / "1W2"
   /// its halves; empty cells idle). Its stages fix `virtual_stages`, its
-  /// micro-batches must equal `chunks`; stage s runs on row s mod rows. A bad
+  /// micro-batches must equal `chunks`; stage s runs on row s mod rows, or
+  /// in ZB-V's V (row r: stages r and 2 rows - 1 - r) when the table places
+  /// its 2 x rows stages so. A bad
   /// or deadlocking table throws ValueError naming the actions. Empty: use
   /// `schedule`. `Pipe::schedule_csv()` gives the table a pipe runs.
   TORCH_ARG(std::string, schedule_csv) = "";

@@ -110,7 +110,7 @@ class _Closed:
 def _rank_of_stage(schedule: Any, ranks: int, stages: int) -> List[int]:
     """Which rank runs each stage: a loop (stage s on rank s mod R), or ZB-V's V (rank r runs
     stages r and 2R-1-r, so the first and the last stage share rank 0)."""
-    if schedule == "zb_v":
+    if schedule == "zb_v" or getattr(schedule, "v_shaped", False):
         return [s if s < ranks else 2 * ranks - 1 - s for s in range(stages)]
     return [s % ranks for s in range(stages)]
 
@@ -327,7 +327,9 @@ class Pipe(nn.Module):
         self._engine = _C.Engine(parts, [self.device] * len(parts), self.chunks,
                                  _engine_checkpoint(self.checkpoint),
                                  intra_op_threads=-1, virtual_stages=self.virtual_stages,
-                                 schedule=("1f1b" if isinstance(self.schedule, Schedule)
+                                 # A table's stages lie in a loop, or in a V as zb_v's.
+                                 schedule=((("zb_v" if self.schedule.v_shaped else "1f1b"))
+                                           if isinstance(self.schedule, Schedule)
                                            else self.schedule),
                                  skip_routes=routes,
                                  group=self.group.group_name,

@@ -688,7 +688,8 @@ class Pipe(nn.Module):
         """Each stage's device: stage s runs on devices[s % len(devices)], or with zb_v in a
         V, stage s on devices[s] and stage 2W-1-s on devices[s] too."""
         w = len(self.devices)
-        if getattr(self, "schedule", None) == "zb_v":
+        schedule = getattr(self, "schedule", None)
+        if schedule == "zb_v" or getattr(schedule, "v_shaped", False):
             return [self.devices[s if s < w else 2 * w - 1 - s] for s in range(len(self.balance))]
         return [self.devices[s % w] for s in range(len(self.balance))]
 
@@ -736,7 +737,10 @@ class Pipe(nn.Module):
                                   _engine_checkpoint(self.checkpoint),
                                   intra_op_threads=self.intra_op_threads,
                                   virtual_stages=self.virtual_stages,
-                                  schedule="1f1b" if table else self.schedule,
+                                  # A table's stages lie in a loop, or in a V as zb_v's.
+                                  schedule=(self.schedule if table is None else
+                                            "zb_v" if getattr(table, "v_shaped", False)
+                                            else "1f1b"),
                                   skip_routes=routes)
                         if parts else _NoStages())
         if table is not None and parts:

@@ -1,5 +1,6 @@
 """Schedules as data: torch.distributed.pipelining's CSV action tables, for ``schedule=``."""
 import os
+import re
 from typing import List, Union
 
 from gpipe import _C
@@ -15,7 +16,9 @@ class Schedule:
     ``1B2`` a whole backward, ``1I2`` / ``1W2`` its input-grad and weight-grad halves
     (zero-bubble); an empty cell is an idle tick. gpipe derives the communication, so the
     format's communication and FSDP actions (``SEND_F``, ``UNSHARD``, ...) are refused. Stage
-    s runs on row s mod rows (more stages than rows: virtual stages, as interleaved 1F1B).
+    s runs on row s mod rows (more stages than rows: virtual stages, as interleaved 1F1B), or,
+    with twice as many stages as rows, in ZB-V's V (row r: stages r and 2 rows - 1 - r, as
+    pipelining's ScheduleZBVZeroBubble and DualPipeV place them; ``v_shaped``).
 
     Pass it as ``schedule=`` to :class:`gpipe.Pipe` or :class:`gpipe.distributed.Pipe`, with
     ``chunks`` equal to its micro-batches and a ``balance`` of its stages::
@@ -34,6 +37,7 @@ class Schedule:
         stages: stages it names (a multiple of ``rows``).
         microbatches: micro-batches it runs.
         csv: the table as CSV text, idle cells left out.
+        v_shaped: whether its stages lie in a V (else a loop).
     """
 
     def __init__(self, csv: str) -> None:
@@ -41,6 +45,14 @@ class Schedule:
             raise TypeError(f"Schedule takes the CSV text, got {type(csv).__name__}; use "
                             f"Schedule.from_csv(path) for a file or Schedule.from_rows(rows)")
         self.rows, self.stages, self.microbatches, self.csv = _C.parse_schedule_csv(csv)
+        # Each stage's row (the parse checked that a stage keeps to one row, and that the
+        # rows form a loop or a V).
+        row_of = {}
+        for r, line in enumerate(self.csv.splitlines()):
+            for action in filter(None, line.split(",")):
+                row_of[int(re.match(r"\d+", action).group())] = r
+        self.v_shaped = (self.stages == 2 * self.rows and any(row_of[s] != s % self.rows
+                                                               for s in row_of))
 
     @classmethod
     def from_csv(cls, path: Union[str, "os.PathLike[str]"]) -> "Schedule":

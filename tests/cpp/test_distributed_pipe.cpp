@@ -832,3 +832,65 @@ TEST_CASE("distributed_pipe: step_timeout fails the ranks waiting on a stuck ran
                                                           .group(pair[0])),
                     Catch::Contains("step_timeout must not be negative, got -1 ms"));
 }
+
+TEST_CASE("distributed_pipe: a CSV table placing its stages in a V (zb_v's, exported) runs in "
+          "the V over 2 ranks, by tag and by order, as the plain Sequential",
+          "[distributed]") {
+  const auto model = eight_layers();
+  const std::vector<int64_t> balance{2, 2, 2, 2};
+  // The table the in-process zb_v runs for 2 devices and 4 micro-batches.
+  auto exporter = copy_of(model);
+  gpipe::Pipe named(exporter, gpipe::PipeOptions()
+                                  .balance(balance)
+                                  .devices({torch::kCPU, torch::kCPU})
+                                  .chunks(4)
+                                  .schedule(Schedule::ZBV));
+  const std::string table = named->schedule_csv();
+  torch::manual_seed(5);
+  const auto x = randn64({8, kWidth});
+  const auto y = randn64({8, kWidth});
+  auto plain = copy_of(model);
+  auto expected = mse(plain->forward(x), y);
+  expected.backward();
+  const auto plain_params = plain->named_parameters();
+  for (auto matching : {FakeMatching::ByTag, FakeMatching::ByOrder}) {
+    INFO((matching == FakeMatching::ByTag ? "by tag" : "by order"));
+    std::vector<torch::nn::Sequential> copies{copy_of(model), copy_of(model)};
+    const auto groups = fake_groups(2, matching);
+    std::vector<RankResult> results(2);
+    std::vector<std::vector<int64_t>> stages(2);
+    std::vector<std::string> exported(2);
+    const auto errors = run_ranks(2, [&](int rank) {
+      auto options = gpipe::DistributedPipeOptions(balance)
+                         .chunks(4)
+                         .schedule_csv(table)
+                         .group(groups.pipeline[static_cast<size_t>(rank)]);
+      if (!groups.reverse.empty()) options.reverse_group(groups.reverse[static_cast<size_t>(rank)]);
+      gpipe::DistributedPipe dp(copies[static_cast<size_t>(rank)], options);
+      auto& out = results[static_cast<size_t>(rank)];
+      out.first = dp->is_first();
+      out.last = dp->is_last();
+      stages[static_cast<size_t>(rank)] = dp->stages();
+      exported[static_cast<size_t>(rank)] = dp->schedule_csv();
+      out.loss = dp->train_step(dp->is_first() ? x : torch::Tensor(),
+                                dp->is_last() ? y : torch::Tensor(), mse);
+      for (const auto& p : dp->named_parameters()) out.grads[p.key()] = p.value().grad();
+    });
+    REQUIRE(errors == std::vector<std::string>(2));
+    CHECK(stages[0] == std::vector<int64_t>{0, 3});
+    CHECK(stages[1] == std::vector<int64_t>{1, 2});
+    CHECK(results[0].first);
+    CHECK(results[0].last);
+    CHECK(exported[0] == table);
+    CHECK(max_abs_diff(results[0].loss, expected.detach()) <= kTolerance);
+    size_t seen = 0;
+    for (const auto& r : results) {
+      for (const auto& [name, grad] : r.grads) {
+        INFO("parameter " << name);
+        CHECK(max_abs_diff(grad, plain_params[name].grad()) <= kTolerance);
+        ++seen;
+      }
+    }
+    CHECK(seen == plain_params.size());
+  }
+}

@@ -21,7 +21,8 @@ using gpipe::detail::PlanKind;
 using gpipe::detail::plan_from_csv;
 using gpipe::detail::plan_to_csv;
 using gpipe::detail::render;
-using gpipe::detail::require_loop_placement;
+using gpipe::detail::require_runnable_placement;
+using gpipe::detail::v_placed;
 using gpipe::detail::simulate;
 using gpipe::detail::Simulation;
 using gpipe::detail::Task;
@@ -400,13 +401,15 @@ TEST_CASE("plan: a bad CSV schedule is refused, naming the cell or the actions",
   CHECK_THROWS_WITH(plan_from_csv("0F0,0SEND_F0,0B0\n"),
                     Contains("SEND_F is not a compute action") && Contains("compute_only"));
   CHECK_THROWS_WITH(plan_from_csv("0F0,0UNSHARD\n"), Contains("UNSHARD is not a compute action"));
-  // Stages 0 and 1 in row 0, 2 and 3 in row 1: a placement of its own, which the
-  // engine does not run yet.
+  // Stages 0 and 1 in row 0, 2 and 3 in row 1: a placement of its own (neither a loop
+  // nor a V), which the engine does not run.
   const Plan blocks = plan_from_csv("0F0,1F0,1B0,0B0\n2F0,3F0,3B0,2B0\n");
   CHECK(blocks.placement == std::vector<int64_t>{0, 0, 1, 1});
-  CHECK_THROWS_WITH(require_loop_placement(blocks),
-                    Contains("runs stage 1 on row 0, but gpipe runs stage s on row s mod 2") &&
-                        Contains("not run yet") && Contains("move stage 1's actions to row 1"));
+  CHECK_FALSE(v_placed(blocks));
+  CHECK_THROWS_WITH(require_runnable_placement(blocks),
+                    Contains("runs stage 1 on row 0, but gpipe runs stage s on row s mod 2, or 4 "
+                             "stages in a V (row r: stages r and 3 - r)") &&
+                        Contains("move stage 1's actions to row 1"));
   // A stage's actions in two rows, and rows holding different numbers of stages.
   CHECK_THROWS_WITH(plan_from_csv("0F0,1F0,1B0,0B0\n1F1,1B1\n"),
                     Contains("F(stage 1, micro-batch 1) is in row 1, but stage 1 has tasks in "
@@ -437,8 +440,10 @@ TEST_CASE("plan: ZB-V in pictures, its placement and its CSV", "[plan]") {
   const Plan back = plan_from_csv(plan_to_csv(zb_v_plan(3, 4)));
   CHECK(back.placement == v_placement(3));
   CHECK(back.lists == zb_v_plan(3, 4).lists);
-  CHECK_THROWS_WITH(require_loop_placement(back), Contains("runs stage 3 on row 2"));
-  CHECK_NOTHROW(require_loop_placement(plan_from_csv(plan_to_csv(zb_h1_plan(3, 4)))));
+  CHECK(v_placed(back));
+  CHECK_NOTHROW(require_runnable_placement(back));  // the engine runs a V
+  CHECK_FALSE(v_placed(plan_from_csv(plan_to_csv(zb_h1_plan(3, 4)))));
+  CHECK_NOTHROW(require_runnable_placement(plan_from_csv(plan_to_csv(zb_h1_plan(3, 4)))));
   CHECK(plan_from_csv(plan_to_csv(zb_h1_plan(3, 4))).placement.empty());  // the loop
   // A task in a list its stage is not placed on names the placement.
   Plan moved = zb_v_plan(2, 2);

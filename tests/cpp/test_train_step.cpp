@@ -597,4 +597,20 @@ TEST_CASE("train_step: zb_v places its stages in a V, virtual_stages 2 implied",
   torch::mse_loss(tabled_ref->forward(x), y).backward();
   check_param_grads(*from_table, *tabled_ref);
   CHECK(table_loss.defined());
+  // A table placing its stages in a V (the named zb_v's, exported) runs in the V: the
+  // stages on the V's devices, the same loss and grads as the plain model.
+  auto v_model = inplace_mlp(3);
+  auto v_ref = deep_copy(v_model);
+  gpipe::Pipe v_table(v_model, gpipe::PipeOptions()
+                                   .balance({2, 1, 1, 2})
+                                   .devices({torch::kCPU, torch::kCPU})
+                                   .chunks(4)
+                                   .schedule_csv(csv));
+  CHECK(v_table->options().virtual_stages() == 2);
+  CHECK(v_table->schedule_csv() == csv);
+  auto v_loss = v_table->train_step(x, y, mse);
+  auto v_want = torch::mse_loss(v_ref->forward(x), y);
+  v_want.backward();
+  CHECK(max_abs_diff(v_loss, v_want) <= kTolerance);
+  check_param_grads(*v_table, *v_ref);
 }

@@ -19,6 +19,9 @@ import test_distributed as td  # noqa: E402
 ONE_F_ONE_B = "0F0,0F1,,0B0,0F2,0B1,,0B2\n,1F0,1B0,1F1,1B1,1F2,1B2\n"
 # A zero-bubble table written by hand: B split into I and W, the W's late.
 ZERO_BUBBLE = "0F0,0F1,0I0,0F2,0I1,0I2,0W0,0W1,0W2\n1F0,1I0,1F1,1I1,1W0,1F2,1I2,1W1,1W2\n"
+# zb_v's table for 2 rows and 3 micro-batches (as gpipe exports it): 4 stages in a V.
+V_TABLE = ("0F0,0F1,3F0,3I0,3F1,3I1,0I0,3W0,0I1,3W1,0W0,0F2,0W1,3F2,3I2,3W2,0I2,0W2\n"
+           "1F0,2F0,1F1,2F1,2I0,1I0,2I1,1I1,2W0,1W0,2W1,1W1,1F2,2F2,2I2,1I2,2W2,1W2\n")
 
 
 def model() -> nn.Sequential:
@@ -66,7 +69,7 @@ def test_a_csv_table_trains_as_the_plain_model(text, checkpoint):
 
 
 @pytest.mark.parametrize("name,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
-                                          ("zb_h1", 1)])
+                                          ("zb_h1", 1), ("zb_v", 2)])
 def test_every_built_in_schedule_exported_and_loaded_back_runs_bitwise_the_same(name, virtual):
     balance = [2, 1, 1, 1] if virtual == 1 else [2, 1, 1, 1]  # 4 devices, or 2 x 2 stages
     devices = ["cpu"] * (len(balance) // virtual)
@@ -75,6 +78,8 @@ def test_every_built_in_schedule_exported_and_loaded_back_runs_bitwise_the_same(
                           schedule=name, virtual_stages=virtual)
     table = gpipe.Schedule(built_in.schedule_csv())
     assert table.stages == len(balance) and table.rows == len(devices)
+    # zb_v's table places its stages in a V (row 0: stages 0 and 3), and runs so.
+    assert table.v_shaped == (name == "zb_v")
     loaded = gpipe.Pipe(copy.deepcopy(seq), balance=balance, devices=devices, chunks=4,
                         schedule=table)
     assert loaded.virtual_stages == virtual
@@ -109,7 +114,7 @@ def test_from_rows_takes_torchs_pipeline_order_with_idle_ticks():
     ("0F0,0Q1\n", ["row 0, cell 1 ('0Q1') is not an action", "'0F3'"]),
     ("0F0,0SEND_F0,0B0\n", ["SEND_F is not a compute action", "compute_only"]),
     ("0F0,1F0,1B0,0B0\n2F0,3F0,3B0,2B0\n", ["runs stage 1 on row 0, but gpipe runs stage s on "
-                                            "row s mod 2", "not run yet",
+                                            "row s mod 2, or 4 stages in a V",
                                             "move stage 1's actions to row 1"]),
     ("0F0,0F1,0B0\n1F0,1F1,1B0,1B1\n", ["B(stage 0, micro-batch 1) is missing"]),
     ("0B0,0F0\n1F0,1B0\n", ["deadlock"]),
@@ -161,10 +166,13 @@ def _worker_csv() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     runs = (("1f1b", ONE_F_ONE_B, "except_last"), ("zero-bubble", ZERO_BUBBLE, "except_last"),
             # A checkpoint mode per stage (issue 26 item 3), over the ranks.
-            ("stage-checkpoints", ONE_F_ONE_B, ["always", "never"]))
+            ("stage-checkpoints", ONE_F_ONE_B, ["always", "never"]),
+            # A table placing 4 stages in a V (zb_v's): rank 0 holds stages 0 and 3.
+            ("v", V_TABLE, "except_last"))
     for name, text, checkpoint in runs:
         want_losses, want_params = train(model())
-        pipe = gpipe.distributed.Pipe(model(), [3, 2], chunks=3, schedule=gpipe.Schedule(text),
+        balance = [2, 1, 1, 1] if name == "v" else [3, 2]
+        pipe = gpipe.distributed.Pipe(model(), balance, chunks=3, schedule=gpipe.Schedule(text),
                                       checkpoint=checkpoint)
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         torch.manual_seed(9)
@@ -181,7 +189,7 @@ def _worker_csv() -> None:
                   if pipe.is_last else 0.0]
         want = dict(zip(reference, want_params))
         errors += [(p - want[n]).abs().max().item() for n, p in pipe.named_parameters()]
-        td._report(check=name, error=max(errors), csv=pipe.schedule_csv())
+        td._report(check=name, error=max(errors), csv=pipe.schedule_csv(), stages=pipe.stages)
     dist.destroy_process_group()
 
 
@@ -189,10 +197,11 @@ def test_a_csv_table_over_two_gloo_ranks():
     run = td._spawn("csv", world=2, script=__file__)
     assert run["codes"] == [0, 0], run["logs"]
     for name, text in (("1f1b", ONE_F_ONE_B), ("zero-bubble", ZERO_BUBBLE),
-                       ("stage-checkpoints", ONE_F_ONE_B)):
+                       ("stage-checkpoints", ONE_F_ONE_B), ("v", V_TABLE)):
         for rank, r in td._results(run, name).items():
             assert r["error"] <= 1e-10, (name, rank, r)
             assert r["csv"] == gpipe.Schedule(text).csv, (name, rank, r)
+    assert [td._results(run, "v")[r]["stages"] for r in (0, 1)] == [[0, 3], [1, 2]]
 
 
 if __name__ == "__main__":
