@@ -27,22 +27,12 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
   rank_ = group->getRank();
   int64_t v = options_.virtual_stages();
   GPIPE_CHECK_VALUE(v >= 1, "virtual_stages must be at least 1, got ", v);
-  auto table = detail::schedule_table(options_.schedule_csv(), v);
-  // ZB-V runs two stages per rank in a V: rank r holds stages r and 2R-1-r.
-  // Named, or a table placing its stages in a V.
-  const bool v_shape = table ? detail::v_placed(*table) : options_.schedule() == Schedule::ZBV;
-  if (v_shape) {
-    GPIPE_CHECK_VALUE(v == 1 || v == 2, "virtual_stages is ", v, " but schedule zb_v runs two "
-                      "stages per rank; leave virtual_stages at 1 or pass 2");
-    v = 2;
-  }
-  GPIPE_CHECK_VALUE(v == 1 || table || v_shape ||
-                        options_.schedule() == Schedule::Interleaved1F1B,
-                    "virtual_stages is ", v, " but schedule ", options_.schedule(),
-                    " runs one stage per rank; use Schedule::Interleaved1F1B, or virtual_stages 1");
+  auto layout = detail::stage_layout(options_.schedule_csv(), options_.schedule(), v, "rank");
+  auto& table = layout.table;
+  v = layout.virtual_stages;
   options_.virtual_stages(v);
-  const auto rank_of_stage = detail::placement_of(
-      v_shape ? detail::PlanKind::ZBV : detail::PlanKind::OneFOneB, ranks, v);
+  // ZB-V runs two stages per rank in a V (rank r holds stages r and 2R-1-r).
+  const auto rank_of_stage = detail::placement_of(layout.kind, ranks, v);
   const auto& balance = options_.balance();
   const int64_t stages = ranks * v;
   GPIPE_CHECK_VALUE(static_cast<int64_t>(balance.size()) == stages, "balance has ",
@@ -85,8 +75,7 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
       std::move(parts), std::vector<c10::Device>(static_cast<size_t>(v), options_.device()),
       options_.chunks(), options_.checkpoint(), /*intra_op_threads=*/-1, v,
       // A table replaces the named schedule (set_plan below).
-      table ? (v_shape ? detail::PlanKind::ZBV : detail::PlanKind::Custom)
-            : detail::plan_kind(options_.schedule()),
+      layout.kind,
       detail::Groups{group, options_.reverse_group(), options_.dp_group()});
   engine_->set_skip_routes(std::move(skips.routes));
   engine_->set_batch_dims(options_.batch_dim(), options_.output_batch_dim());

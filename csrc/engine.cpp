@@ -182,6 +182,29 @@ std::optional<Plan> schedule_table(const std::string& csv, int64_t& virtual_stag
   return plan;
 }
 
+StageLayout stage_layout(const std::string& csv, gpipe::Schedule schedule,
+                         int64_t virtual_stages, const char* per) {
+  StageLayout layout;
+  layout.virtual_stages = virtual_stages;
+  layout.table = schedule_table(csv, layout.virtual_stages);
+  int64_t& v = layout.virtual_stages;
+  layout.v_shape = layout.table ? v_placed(*layout.table) : schedule == gpipe::Schedule::ZBV;
+  if (layout.v_shape) {
+    GPIPE_CHECK_VALUE(v == 1 || v == 2, "virtual_stages is ", v, " but schedule zb_v runs two "
+                      "stages per ", per, "; leave virtual_stages at 1 or pass 2");
+    v = 2;
+  }
+  GPIPE_CHECK_VALUE(v == 1 || layout.table || layout.v_shape ||
+                        schedule == gpipe::Schedule::Interleaved1F1B,
+                    "virtual_stages is ", v, " but schedule ", schedule, " runs one stage per ",
+                    per, "; use Schedule::Interleaved1F1B, or virtual_stages 1");
+  // A table replaces the named schedule (set_plan); the engine is built for
+  // its placement (a V as ZB-V's).
+  layout.kind = layout.table ? (layout.v_shape ? PlanKind::ZBV : PlanKind::Custom)
+                             : plan_kind(schedule);
+  return layout;
+}
+
 std::vector<int> intra_op_split(const std::vector<c10::Device>& devices, int64_t option,
                                 int available) {
   GPIPE_CHECK_VALUE(option >= -1, "intra_op_threads is ", option,

@@ -150,6 +150,22 @@ PlanKind plan_kind(gpipe::Schedule schedule);
 /// or `virtual_stages` when it disagrees.
 std::optional<Plan> schedule_table(const std::string& csv, int64_t& virtual_stages);
 
+/// How a pipe lays out its stages (Pipe: per device, DistributedPipe: per
+/// rank): the table that replaces `schedule` (schedule_table), the stages
+/// per worker, whether they lie in ZB-V's V (zb_v named, or a table placing
+/// them so; 2 per worker, virtual_stages 1 taken as unset) and the plan
+/// kind the engine is built with (a V table: ZBV, then set_plan).
+struct StageLayout {
+  std::optional<Plan> table;
+  int64_t virtual_stages = 1;
+  bool v_shape = false;
+  PlanKind kind = PlanKind::OneFOneB;
+};
+/// Throws ValueError naming `virtual_stages` where the schedule runs
+/// another number of stages per `per` ("device" or "rank").
+StageLayout stage_layout(const std::string& csv, gpipe::Schedule schedule,
+                         int64_t virtual_stages, const char* per);
+
 /// train_step's loss: one micro-batch's output and target in, a scalar
 /// (mean-reduced over the micro-batch's rows) out.
 using LossFn = std::function<at::Tensor(const Batch& output, const Batch& target)>;

@@ -62,21 +62,10 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
   int64_t v = options_.virtual_stages();
   GPIPE_CHECK_VALUE(v >= 1, "virtual_stages must be at least 1, got ", v,
                     "; it is the number of stages per device");
-  auto table = detail::schedule_table(options_.schedule_csv(), v);
+  auto layout = detail::stage_layout(options_.schedule_csv(), options_.schedule(), v, "device");
+  auto& table = layout.table;
+  v = layout.virtual_stages;
   options_.virtual_stages(v);
-  // ZB-V's V: named, or a table placing its stages so (plan.h).
-  const bool v_shape = table ? detail::v_placed(*table) : options_.schedule() == Schedule::ZBV;
-  if (v_shape) {
-    // ZB-V runs two stages per device in a V.
-    GPIPE_CHECK_VALUE(v == 1 || v == 2, "virtual_stages is ", v, " but schedule zb_v runs two "
-                      "stages per device; leave virtual_stages at 1 or pass 2");
-    v = 2;
-    options_.virtual_stages(v);
-  }
-  GPIPE_CHECK_VALUE(v == 1 || table || v_shape ||
-                        options_.schedule() == Schedule::Interleaved1F1B,
-                    "virtual_stages is ", v, " but schedule ", options_.schedule(),
-                    " runs one stage per device; use Schedule::Interleaved1F1B, or virtual_stages 1");
 
   if (options_.balance().empty()) {
     // One stage per device given (or per CUDA device), balanced for them.
@@ -119,11 +108,9 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
                     "; pass at least one device per stage, or fewer stages");
   devices.erase(devices.begin() + static_cast<std::ptrdiff_t>(workers), devices.end());
   // Stage j runs on worker j mod W, on its device; under ZB-V on the V's worker (plan.h).
-  const auto v_workers =
-      v_shape ? detail::v_placement(static_cast<int64_t>(workers)) : std::vector<int64_t>{};
   std::vector<c10::Device> stage_devices;
-  for (size_t j = 0; j < stages; ++j) {
-    stage_devices.push_back(devices[v_shape ? static_cast<size_t>(v_workers[j]) : j % workers]);
+  for (const int64_t w : detail::placement_of(layout.kind, static_cast<int64_t>(workers), v)) {
+    stage_devices.push_back(devices[static_cast<size_t>(w)]);
   }
 
   // A tensor two layers share (tied weights) must live where both run:
@@ -177,13 +164,9 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
         std::move(modules), offset, std::move(skips.arriving[j]), std::move(skips.leaving[j])));
     offset += balance[j];
   }
-  // A table replaces the named schedule (set_plan below); the engine is
-  // built for its placement (a V as ZB-V's).
-  const auto kind = table ? (v_shape ? detail::PlanKind::ZBV : detail::PlanKind::Custom)
-                          : detail::plan_kind(options_.schedule());
   engine_ = std::make_shared<detail::Engine>(std::move(parts), stage_devices, options_.chunks(),
                                              options_.checkpoint(), options_.intra_op_threads(),
-                                             v, kind);
+                                             v, layout.kind);
   engine_->set_batch_dims(options_.batch_dim(), options_.output_batch_dim());
   engine_->set_skip_routes(std::move(skips.routes));
   engine_->tracer().set_capacity(options_.trace_capacity());

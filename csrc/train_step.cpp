@@ -220,12 +220,12 @@ void Engine::set_plan(Plan plan) {
   // The stages were placed when the engine was made (their devices, over a
   // group their ranks): a loop, or a V when built for one (Pipe and
   // DistributedPipe build for the V when the table has it).
+  const bool built_v = transport_ ? transport_->v_placed() : !placement_.empty();
   for (int64_t s = 0; s < all_stages_; ++s) {
     const int64_t built = transport_ ? transport_->owner(s) : worker_of(s);
     GPIPE_CHECK_VALUE(plan.worker_of(s) == built, "the schedule runs stage ", s, " on row ",
-                      plan.worker_of(s), " but the pipe placed it on ", per, " ", built,
-                      " (", placement_.empty() && (!transport_ || !transport_->v_placed())
-                                ? "a loop" : "a V",
+                      plan.worker_of(s), " but the pipe placed it on ", per, " ", built, " (",
+                      built_v ? "a V" : "a loop",
                       "); build the pipe with this schedule, or give a table of its placement");
   }
   plan.kind = PlanKind::Custom;
