@@ -525,13 +525,14 @@ measures complete steps; `dropped` counts the events no longer kept.)doc")
       [](const std::string& text) {
         const gpipe::detail::Plan plan = gpipe::python::plan_from_csv_or_raise(text);
         return std::make_tuple(plan.workers, plan.stages, plan.microbatches,
-                               gpipe::detail::plan_to_csv(plan));
+                               gpipe::detail::plan_to_csv(plan), gpipe::detail::v_placed(plan));
       },
       py::arg("text"),
       R"doc(Checks a schedule in torch.distributed.pipelining's CSV format ("compute_only": one row
 per rank, actions like 0F3, 1I2, 1W2, 0B1, empty cells idle) and returns (rows, stages,
-micro-batches, the CSV without idle cells); ValueError naming the bad cell, a misplaced or
-missing action, or the actions a deadlocked table waits on.)doc");
+micro-batches, the CSV without idle cells, v_shaped); ValueError naming the bad cell, a misplaced or
+missing action, or the actions a deadlocked table waits on; and whether its stages lie in ZB-V's V
+(else a loop).)doc");
   m.def("balance_cost", &gpipe::balance_cost, py::arg("costs"), py::arg("partitions"),
         R"doc(The contiguous split of per-layer costs into `partitions` stages minimising the
 largest stage (exact; ties: lexicographically smallest balance).)doc");

@@ -81,8 +81,9 @@ class MemoryCounter:
     def __enter__(self) -> "MemoryCounter": ...
     def __exit__(self, *exc: object) -> None: ...
 
-def parse_schedule_csv(text: str) -> Tuple[int, int, int, str]:
-    """(rows, stages, micro-batches, the CSV without idle cells) of a schedule table."""
+def parse_schedule_csv(text: str) -> Tuple[int, int, int, str, bool]:
+    """(rows, stages, micro-batches, the CSV without idle cells, whether its stages lie in
+    ZB-V's V) of a schedule table."""
 
 def balance_cost(costs: List[float], partitions: int) -> List[int]:
     """The contiguous split of per-layer costs minimising the largest stage."""

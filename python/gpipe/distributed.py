@@ -11,7 +11,8 @@ from torch import Tensor, nn
 from gpipe import _C
 from gpipe.pipe import (BatchDim, _as_int, _batch_dims, _check_balance, _check_input,
                         _engine_checkpoint, _parse_balance, _parse_checkpoint, _parse_chunks,
-                        _parse_schedule, _schedule_stages)
+                        _engine_schedule, _parse_schedule, _schedule_stages, _stage_workers,
+                        _v_shaped)
 from gpipe.pipeline import _balanced_split_points, _Cut, _Pipelined, _cut
 from gpipe.schedule import Schedule
 from gpipe.skip.layout import stage_runners
@@ -105,14 +106,6 @@ class _Closed:
     def __getattr__(self, name: str) -> Any:
         raise RuntimeError("gpipe.distributed.Pipe was closed at interpreter exit (its threads "
                            "joined, its process groups released); build a new pipe")
-
-
-def _rank_of_stage(schedule: Any, ranks: int, stages: int) -> List[int]:
-    """Which rank runs each stage: a loop (stage s on rank s mod R), or ZB-V's V (rank r runs
-    stages r and 2R-1-r, so the first and the last stage share rank 0)."""
-    if schedule == "zb_v" or getattr(schedule, "v_shaped", False):
-        return [s if s < ranks else 2 * ranks - 1 - s for s in range(stages)]
-    return [s % ranks for s in range(stages)]
 
 
 def _find_ties(module: nn.Sequential, rank_of_layer: List[int]
@@ -291,7 +284,7 @@ class Pipe(nn.Module):
         balance = _parse_balance(balance)
         stages = ranks * self.virtual_stages
         if len(balance) != stages:
-            where = ("rank r runs stages r and 2R-1-r" if self.schedule == "zb_v"
+            where = ("rank r runs stages r and 2R-1-r" if _v_shaped(self.schedule)
                      else f"stage s runs on rank s % {ranks}")
             raise ValueError(
                 f"balance has {len(balance)} stages but the group has {ranks} ranks x "
@@ -301,7 +294,7 @@ class Pipe(nn.Module):
         verify_skippables(module)
         self.balance = balance
         self.device = torch.device(device) if device is not None else _default_device(self.group)
-        rank_of_stage = _rank_of_stage(self.schedule, ranks, stages)
+        rank_of_stage = _stage_workers(self.schedule, ranks, stages)
         self.stages: List[int] = [s for s in range(stages) if rank_of_stage[s] == self.rank]
         self.is_first = 0 in self.stages
         self.is_last = stages - 1 in self.stages
@@ -327,10 +320,7 @@ class Pipe(nn.Module):
         self._engine = _C.Engine(parts, [self.device] * len(parts), self.chunks,
                                  _engine_checkpoint(self.checkpoint),
                                  intra_op_threads=-1, virtual_stages=self.virtual_stages,
-                                 # A table's stages lie in a loop, or in a V as zb_v's.
-                                 schedule=((("zb_v" if self.schedule.v_shaped else "1f1b"))
-                                           if isinstance(self.schedule, Schedule)
-                                           else self.schedule),
+                                 schedule=_engine_schedule(self.schedule),
                                  skip_routes=routes,
                                  group=self.group.group_name,
                                  reverse_group=(self._reverse_group.group_name

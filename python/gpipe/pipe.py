@@ -116,6 +116,28 @@ def _parse_schedule(schedule: Any) -> Union[str, Schedule]:
     return name
 
 
+def _v_shaped(schedule: Any) -> bool:
+    """Whether ``schedule`` lays its stages out in ZB-V's V: 'zb_v', or a table placing them
+    so (``Schedule.v_shaped``; a Schedule pickled before it existed: a loop)."""
+    return schedule == "zb_v" or getattr(schedule, "v_shaped", False)
+
+
+def _stage_workers(schedule: Any, workers: int, stages: int) -> List[int]:
+    """The worker (device or rank) of each stage: a loop (stage s on worker s mod W), or
+    ZB-V's V (worker w runs stages w and 2W-1-w, so the first and the last share worker 0)."""
+    if _v_shaped(schedule):
+        return [s if s < workers else 2 * workers - 1 - s for s in range(stages)]
+    return [s % workers for s in range(stages)]
+
+
+def _engine_schedule(schedule: Any) -> str:
+    """The schedule name the engine is built with: a table's stages lie in a loop, or in a V
+    as zb_v's (its plan is set after, set_plan_csv)."""
+    if isinstance(schedule, Schedule):
+        return "zb_v" if _v_shaped(schedule) else "1f1b"
+    return schedule
+
+
 def _schedule_stages(schedule: Union[str, Schedule], virtual_stages: int, per: str) -> int:
     """``virtual_stages`` checked against ``schedule``: a Schedule's table fixes it (its
     stages over its rows; the default 1 is taken as unset), the built-in ones run one stage
@@ -687,11 +709,8 @@ class Pipe(nn.Module):
     def _per_stage_devices(self) -> List[torch.device]:
         """Each stage's device: stage s runs on devices[s % len(devices)], or with zb_v in a
         V, stage s on devices[s] and stage 2W-1-s on devices[s] too."""
-        w = len(self.devices)
-        schedule = getattr(self, "schedule", None)
-        if schedule == "zb_v" or getattr(schedule, "v_shaped", False):
-            return [self.devices[s if s < w else 2 * w - 1 - s] for s in range(len(self.balance))]
-        return [self.devices[s % w] for s in range(len(self.balance))]
+        return [self.devices[w] for w in _stage_workers(getattr(self, "schedule", None),
+                                                         len(self.devices), len(self.balance))]
 
     def _partitions(self) -> List[List[nn.Module]]:
         """Each stage's layers, in order."""
@@ -737,10 +756,7 @@ class Pipe(nn.Module):
                                   _engine_checkpoint(self.checkpoint),
                                   intra_op_threads=self.intra_op_threads,
                                   virtual_stages=self.virtual_stages,
-                                  # A table's stages lie in a loop, or in a V as zb_v's.
-                                  schedule=(self.schedule if table is None else
-                                            "zb_v" if getattr(table, "v_shaped", False)
-                                            else "1f1b"),
+                                  schedule=_engine_schedule(self.schedule),
                                   skip_routes=routes)
                         if parts else _NoStages())
         if table is not None and parts:

@@ -1,6 +1,5 @@
 """Schedules as data: torch.distributed.pipelining's CSV action tables, for ``schedule=``."""
 import os
-import re
 from typing import List, Union
 
 from gpipe import _C
@@ -44,15 +43,8 @@ class Schedule:
         if not isinstance(csv, str):
             raise TypeError(f"Schedule takes the CSV text, got {type(csv).__name__}; use "
                             f"Schedule.from_csv(path) for a file or Schedule.from_rows(rows)")
-        self.rows, self.stages, self.microbatches, self.csv = _C.parse_schedule_csv(csv)
-        # Each stage's row (the parse checked that a stage keeps to one row, and that the
-        # rows form a loop or a V).
-        row_of = {}
-        for r, line in enumerate(self.csv.splitlines()):
-            for action in filter(None, line.split(",")):
-                row_of[int(re.match(r"\d+", action).group())] = r
-        self.v_shaped = (self.stages == 2 * self.rows and any(row_of[s] != s % self.rows
-                                                               for s in row_of))
+        (self.rows, self.stages, self.microbatches, self.csv,
+         self.v_shaped) = _C.parse_schedule_csv(csv)
 
     @classmethod
     def from_csv(cls, path: Union[str, "os.PathLike[str]"]) -> "Schedule":
