@@ -164,7 +164,6 @@ def analyse(ranks: list, steps: int) -> dict:
 
 def worker(rank: int, port: int, names: list, quick: bool, path: str) -> None:
     import torch.distributed as dist
-    import torch.distributed.pipelining as pipelining
 
     import gpipe.distributed
 
@@ -216,29 +215,12 @@ def worker(rank: int, port: int, names: list, quick: bool, path: str) -> None:
                 dist.all_gather_object(gathered, events)
                 comm = analyse(gathered, traced) if rank == 0 else {}
                 # torch.distributed.pipelining, the same stages on the same ranks
-                model = peer.make_schedule_model(name, cfg["t"])
-                indices = peer.stage_indices("one" if v == 1 else "v", rank)
-                per = len(model) // (K * v)
-                stages = [pipelining.PipelineStage(
-                    nn.Sequential(*list(model)[i * per:(i + 1) * per]), i, K * v,
-                    torch.device("cpu"), group=theirs_group) for i in indices]
-                one = torch.zeros(1)
-                first, last = 0 in indices, K * v - 1 in indices
                 failure = None
                 try:
                     if broken:
                         raise RuntimeError(f"not run: {broken}")
-                    schedule = getattr(pipelining, theirs)(
-                        stages[0] if v == 1 else stages, n_microbatches=cfg["m"],
-                        loss_fn=lambda out, y: out.sum(), scale_grads=False)
-
-                    def their_step():
-                        kwargs = dict(target=one, losses=[]) if last else {}
-                        if first:
-                            schedule.step(x, **kwargs)
-                        else:
-                            schedule.step(**kwargs)
-
+                    their_step = peer.pipelining_step(theirs, "one" if v == 1 else "v", rank,
+                                                      name, cfg, group=theirs_group)
                     theirs_s = peer.time_blocks(
                         their_step, cfg, sync=lambda: dist.barrier(group=theirs_group))
                 except Exception as e:  # reported, not hidden: its row says why

@@ -303,10 +303,41 @@ def stage_indices(placement: str, rank: int) -> list:
     return [rank, 2 * K - 1 - rank]
 
 
+def pipelining_step(schedule_name: str, placement: str, rank: int, name: str, cfg: dict,
+                    group=None):
+    """One training step of torch.distributed.pipelining's `schedule_name` on this rank's
+    stages (`placement`, as stage_indices) of the 8-layer schedule model, loss =
+    output.sum(), over `group` (None: the default group). Made here, it fails (or hangs) only
+    when run."""
+    import torch.distributed.pipelining as pipelining
+
+    model = make_schedule_model(name, cfg["t"])
+    indices = stage_indices(placement, rank)
+    n_stages = K if placement == "one" else 2 * K
+    per = len(model) // n_stages
+    stages = [pipelining.PipelineStage(nn.Sequential(*list(model)[i * per:(i + 1) * per]),
+                                       i, n_stages, torch.device("cpu"), group=group)
+              for i in indices]
+    cls = getattr(pipelining, schedule_name)
+    schedule = cls(stages[0] if placement == "one" else stages, n_microbatches=cfg["m"],
+                   loss_fn=lambda out, target: out.sum(), scale_grads=False)
+    x = make_input(name, cfg["m"])
+    target = torch.zeros(1)
+    first, last = 0 in indices, n_stages - 1 in indices
+
+    def step():
+        kwargs = dict(target=target, losses=[]) if last else {}
+        if first:
+            schedule.step(x, **kwargs)
+        else:
+            schedule.step(**kwargs)
+
+    return step
+
+
 def pipelining_schedule_worker(rank: int, port: int, schedule_name: str, placement: str,
                                names: list, quick: bool, result_path: str) -> None:
     import torch.distributed as dist
-    import torch.distributed.pipelining as pipelining
 
     set_timer_slack()
     torch.set_num_threads(1)
@@ -317,27 +348,7 @@ def pipelining_schedule_worker(rank: int, port: int, schedule_name: str, placeme
         results = {}
         for name in names:
             cfg = config(name, quick)
-            model = make_schedule_model(name, cfg["t"])
-            indices = stage_indices(placement, rank)
-            n_stages = K if placement == "one" else 2 * K
-            per = len(model) // n_stages
-            stages = [pipelining.PipelineStage(nn.Sequential(*list(model)[i * per:(i + 1) * per]),
-                                               i, n_stages, torch.device("cpu"))
-                      for i in indices]
-            cls = getattr(pipelining, schedule_name)
-            schedule = cls(stages[0] if placement == "one" else stages, n_microbatches=cfg["m"],
-                           loss_fn=lambda out, target: out.sum(), scale_grads=False)
-            x = make_input(name, cfg["m"])
-            target = torch.zeros(1)
-            first, last = 0 in indices, n_stages - 1 in indices
-
-            def step():
-                kwargs = dict(target=target, losses=[]) if last else {}
-                if first:
-                    schedule.step(x, **kwargs)
-                else:
-                    schedule.step(**kwargs)
-
+            step = pipelining_step(schedule_name, placement, rank, name, cfg)
             results[name] = time_blocks(step, cfg, sync=dist.barrier)
             if rank == 0:  # after each model: a later model's failure keeps this one's time
                 with open(result_path, "w") as f:
