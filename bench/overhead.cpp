@@ -1,6 +1,9 @@
 // overhead.cpp — the engine's cost per cell: tiny layers where the schedule is all there is to time.
 //
 //   bench_overhead [--quick]
+//   bench_overhead --profile CONFIG [STEPS]   only CONFIG (pipe, plain, loop, serial, traced)
+//                                             for STEPS steps (default 2000), no table: for
+//                                             `perf record` (docs/benchmarks.md, overhead)
 //
 // 8 layers Linear(16, 16), batch 64, K = 4 stages of 2 layers, M = 32
 // micro-batches of 2 rows, CPU, one intra-op thread (at::set_num_threads(1),
@@ -33,7 +36,9 @@
 
 #include "bench.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -106,6 +111,18 @@ class SerialCells {
 
 int main(int argc, char** argv) {
   const bool quick = bench::quick(argc, argv);
+  std::string profile;
+  int profile_steps = 2000;
+  for (int a = 1; a < argc; ++a) {
+    if (std::string(argv[a]) != "--profile") continue;
+    if (a + 1 >= argc) {
+      std::fprintf(stderr, "bench_overhead: --profile needs a configuration: pipe, plain, loop, "
+                           "serial or traced\n");
+      return 2;
+    }
+    profile = argv[a + 1];
+    if (a + 2 < argc) profile_steps = std::atoi(argv[a + 2]);
+  }
   at::set_num_threads(1);
   torch::manual_seed(0);
 
@@ -161,6 +178,21 @@ int main(int argc, char** argv) {
                      },
                      {}});
 
+  if (!profile.empty()) {
+    const std::vector<std::string> keys = {"pipe", "plain", "loop", "serial", "traced"};
+    const auto it = std::find(keys.begin(), keys.end(), profile);
+    if (it == keys.end() || profile_steps < 1) {
+      std::fprintf(stderr, "bench_overhead: --profile %s %d: choose pipe, plain, loop, serial "
+                           "or traced, and a positive step count\n", profile.c_str(), profile_steps);
+      return 2;
+    }
+    auto& c = configs[static_cast<size_t>(it - keys.begin())];
+    for (int i = 0; i < warmup; ++i) c.step();
+    for (int i = 0; i < profile_steps; ++i) c.timing.run(c.step);
+    std::printf("%s: median step %.1f us over %d steps, %.2f cores\n", c.name.c_str(),
+                bench::median(c.timing.wall) * 1e6, profile_steps, c.timing.cores());
+    return 0;
+  }
   for (int i = 0; i < warmup; ++i) {
     for (auto& c : configs) c.step();
   }
