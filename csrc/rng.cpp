@@ -77,6 +77,29 @@ bool same_state(const at::Tensor& a, const at::Tensor& b) {
          std::memcmp(a.const_data_ptr(), b.const_data_ptr(), a.nbytes()) == 0;
 }
 
+DrawMark::DrawMark(const at::Generator& generator) {
+  at::Generator g = generator;  // shares the impl; mutex() is not const
+  std::lock_guard<std::mutex> hold(g.mutex());
+  if (auto* cpu = dynamic_cast<at::CPUGeneratorImpl*>(g.unsafeGetGeneratorImpl())) {
+    engine_.emplace(cpu->engine());
+    float_normal_ = cpu->next_float_normal_sample();
+    double_normal_ = cpu->next_double_normal_sample();
+  } else {
+    state_ = g.get_state();
+  }
+}
+
+bool DrawMark::operator==(const DrawMark& other) const {
+  if (engine_.has_value() != other.engine_.has_value()) return false;
+  if (!engine_) return same_state(state_, other.state_);
+  // Field by field: the pod has padding, which memcmp would compare too.
+  const auto a = engine_->data();
+  const auto b = other.engine_->data();
+  return a.seed_ == b.seed_ && a.left_ == b.left_ && a.seeded_ == b.seeded_ &&
+         a.next_ == b.next_ && a.state_ == b.state_ && float_normal_ == other.float_normal_ &&
+         double_normal_ == other.double_normal_;
+}
+
 uint64_t draw_step_seed() {
   at::Generator cpu = at::detail::getDefaultCPUGenerator();
   std::unique_lock<GeneratorLock> exclusive(lock_for(cpu));

@@ -24,12 +24,14 @@
 #pragma once
 
 #include <ATen/core/Generator.h>
+#include <ATen/core/MT19937RNGEngine.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 namespace gpipe::detail {
@@ -70,6 +72,24 @@ at::Tensor get_state(const at::Generator& generator);
 void set_state(at::Generator& generator, const at::Tensor& state);
 /// Whether two states from `get_state` are byte for byte equal.
 bool same_state(const at::Tensor& a, const at::Tensor& b);
+
+/// A generator's state, kept to tell later whether it drew meanwhile: the
+/// CPU generator's engine and cached normal samples, copied in place (a
+/// cell's forward takes two of these, and `get_state` would allocate and
+/// serialize 5 KB each time); any other generator's `get_state`. Equal
+/// exactly when the states `get_state` would return are equal. Read under
+/// the generator's own mutex.
+class DrawMark {
+ public:
+  explicit DrawMark(const at::Generator& generator);
+  bool operator==(const DrawMark& other) const;
+
+ private:
+  std::optional<at::mt19937> engine_;
+  std::optional<float> float_normal_;
+  std::optional<double> double_normal_;
+  at::Tensor state_;
+};
 
 /// A step's seed for the cells' own streams: one 64-bit draw from the
 /// default CPU generator (the caller's), taken under its exclusive lock so

@@ -299,20 +299,27 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
   // A cell may have failed while this one waited for the locks.
   stop_if_cancelled();
   LiveStates live(generators_);
+  // `mark`: tells after the forward whether g drew; `before`: the state a
+  // replay starts from, taken only where a checkpointed cell may need it.
   std::vector<at::Tensor> before(gens);
+  std::array<std::optional<DrawMark>, 2> mark;
   for (size_t g = 0; g < gens; ++g) {
     switch (how[g]) {
       case Draw::Free:
       case Draw::Shared:
         break;
       case Draw::Verify:
+        mark[g].emplace(generators_[g]);
+        break;
       case Draw::Snapshot:
         before[g] = get_state(generators_[g]);
+        mark[g].emplace(generators_[g]);
         break;
       case Draw::Own:
         live.save(g);
         reseed(generators_[g], cell_seed(*draws.step_seed, index_, draws.microbatch, g));
-        before[g] = get_state(generators_[g]);
+        if (checkpoint) before[g] = get_state(generators_[g]);
+        mark[g].emplace(generators_[g]);
         break;
     }
   }
@@ -324,7 +331,7 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
     if (checkpoint) cell.rng_before.assign(gens, at::Tensor());
     for (size_t g = 0; g < gens; ++g) {
       if (how[g] == Draw::Free || how[g] == Draw::Shared) continue;
-      const bool drew = !same_state(before[g], get_state(generators_[g]));
+      const bool drew = !(*mark[g] == DrawMark(generators_[g]));
       if (drew) drew_[g].store(true);
       if (how[g] == Draw::Verify) {
         if (!drew) continue;
@@ -529,14 +536,19 @@ void deliver_direct(int64_t direct, const at::Tensor& grad, const std::vector<Ex
   }
 }
 
+// `every_sink`: the targets are every leaf accumulator and capture node the
+// roots reach (the cut leaves no other way out of the cell), so the walk
+// needs no pruning to them: autograd then skips building its per-call map
+// of the nodes on a path to a target (GraphTask::init_to_execute), a cost
+// per cell that the plain model pays once per backward.
 void run_backward(const torch::autograd::edge_list& roots, const variable_list& grads,
-                  bool keep_graph, const torch::autograd::edge_list& targets) {
+                  bool keep_graph, const torch::autograd::edge_list& targets, bool every_sink) {
   if (roots.empty() || targets.empty()) return;
   // accumulate_grad: the targets run (leaf accumulators, capture nodes)
   // rather than being captured; nothing else outside the cell is reached.
-  torch::autograd::Engine::get_default_engine().execute(roots, grads, keep_graph,
-                                                        /*create_graph=*/false,
-                                                        /*accumulate_grad=*/true, targets);
+  torch::autograd::Engine::get_default_engine().execute(
+      roots, grads, keep_graph, /*create_graph=*/false, /*accumulate_grad=*/true,
+      every_sink ? torch::autograd::edge_list() : targets);
 }
 
 }  // namespace
@@ -567,20 +579,28 @@ Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
   // for, which add them into .grad or into a sum as they arrive, so a
   // parameter's grad lives no longer than in the plain model's backward.
   torch::autograd::edge_list targets;
+  bool every_sink = true;
   for (size_t k = 0; k < cell.leaves.size(); ++k) {
     auto& leaf = cell.leaves[k];
     if (!leaf.defined()) continue;
     leaf.mutable_grad().reset();
     if (k < wanted_inputs.size() && wanted_inputs[k]) {
       targets.push_back(torch::autograd::impl::gradient_edge(leaf));
+    } else {
+      every_sink = every_sink && !cut.reached[k];
     }
   }
   for (size_t e = 0; e < cut.externals.size(); ++e) {
-    if (cut.capture_nodes[e] && sinks[e].wanted) targets.push_back(cut.captures[e]);
+    if (!cut.capture_nodes[e]) continue;
+    if (sinks[e].wanted) {
+      targets.push_back(cut.captures[e]);
+    } else {
+      every_sink = false;
+    }
   }
   {
     ArmedCaptures armed(cut, sinks, external_grads);
-    run_backward(roots, root_grads, keep_graph, targets);
+    run_backward(roots, root_grads, keep_graph, targets, every_sink);
   }
   Batch result;
   result.atomic = cell.input_atomic;
@@ -659,7 +679,7 @@ Batch Stage::backward_input(Cell& cell, const Batch& grads, const std::vector<bo
         }
       }
     } arm(*split);
-    run_backward(roots, root_grads, /*keep_graph=*/true, targets);
+    run_backward(roots, root_grads, /*keep_graph=*/true, targets, /*every_sink=*/false);
   }
   Batch result = none;
   for (size_t k = 0; k < inputs.size(); ++k) {
@@ -720,7 +740,7 @@ void Stage::backward_weight(Cell& cell, const std::vector<ExternalSink>& sinks,
         if (sinks[e].wanted) targets.push_back(cut.captures[e]);
       }
       // The graph stays for the other roots; it goes with the cell below.
-      run_backward(roots, root_grads, /*keep_graph=*/true, targets);
+      run_backward(roots, root_grads, /*keep_graph=*/true, targets, /*every_sink=*/false);
     }
   }
   cell = Cell();

@@ -1,7 +1,10 @@
 // test_pipe_rng.cpp — checkpointing is exact: recompute replays the random numbers of the cell's first forward.
 #include "models.h"
+#include "rng.h"
 
 #include <gpipe/gpipe.h>
+
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
@@ -74,6 +77,38 @@ TEST_CASE("rng: recompute replays dropout masks exactly, checkpoint always", "[r
 
 TEST_CASE("rng: recompute replays dropout masks exactly, checkpoint except_last", "[rng]") {
   check_recompute_exact(Checkpoint::ExceptLast);
+}
+
+TEST_CASE("rng: a draw mark changes exactly when the generator's state does", "[rng]") {
+  using gpipe::detail::DrawMark;
+  using gpipe::detail::get_state;
+  using gpipe::detail::same_state;
+  at::Generator gen = at::detail::createCPUGenerator(7);
+  auto* cpu = at::check_generator<at::CPUGeneratorImpl>(gen);
+  const DrawMark start(gen);
+  const auto start_state = get_state(gen);
+  CHECK(start == DrawMark(gen));
+  // Another generator in the same state marks the same.
+  CHECK(start == DrawMark(at::detail::createCPUGenerator(7)));
+  SECTION("one uniform draw") {
+    static_cast<void>(cpu->random());
+  }
+  SECTION("a full turn of the engine (left and next back where they were)") {
+    for (int k = 0; k < 624; ++k) static_cast<void>(cpu->random());
+  }
+  SECTION("only a cached normal sample taken") {
+    cpu->set_next_double_normal_sample(0.25);
+    const DrawMark cached(gen);
+    CHECK_FALSE(cached == start);
+    cpu->set_next_double_normal_sample(std::nullopt);
+    CHECK(DrawMark(gen) == start);
+    cpu->set_next_float_normal_sample(0.5F);
+  }
+  SECTION("a tensor op drawing from it") {
+    static_cast<void>(at::rand({3}, gen));
+  }
+  CHECK_FALSE(DrawMark(gen) == start);
+  CHECK_FALSE(same_state(get_state(gen), start_state));
 }
 
 TEST_CASE("rng: one micro-batch draws what the Sequential draws", "[rng]") {
