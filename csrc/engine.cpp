@@ -474,7 +474,7 @@ Batch Engine::forward(const Batch& input, bool training) {
     Span span(tracer_, step, j, i, TracePhase::Forward, stage.lane().compute);
     Batch y = stage.forward(r.cells[static_cast<size_t>(j)][static_cast<size_t>(i)], x,
                             i < stops.per_stage[static_cast<size_t>(j)], stops.any,
-                            CellDraws{i, seed});
+                            CellDraws{i, seed}, /*share_captures=*/true);
     span.finish();
     auto ready = mark(stage.lane().compute);
     const auto& leaving = skips_.leaving[static_cast<size_t>(j)];

@@ -39,13 +39,16 @@ bool GraphWindow::contains(const Node& node) const {
          dynamic_cast<const torch::autograd::AccumulateGrad*>(&node) == nullptr;
 }
 
-Capture::Capture(const torch::autograd::InputMetadata& metadata) {
+uint32_t Capture::add(const torch::autograd::InputMetadata& metadata) {
   // The same shape, dtype and device as the input it stands in for, so
   // autograd checks the grads arriving here as it would have there; the
   // stream is the current one, the cell's (its backward runs there).
-  add_input_metadata(metadata.options(), metadata.shape_as_dim_vector(),
-                     metadata.is_tensor_subclass(), metadata.is_nested_tensor(),
-                     metadata.grad_dtype());
+  const uint32_t input =
+      add_input_metadata(metadata.options(), metadata.shape_as_dim_vector(),
+                         metadata.is_tensor_subclass(), metadata.is_nested_tensor(),
+                         metadata.grad_dtype());
+  sinks.emplace_back();
+  return input;
 }
 
 void GradSlot::after_last_write(c10::Device device) {
@@ -96,18 +99,42 @@ torch::autograd::AccumulateGrad* plain_accumulator(const Edge& edge) {
 }
 
 torch::autograd::variable_list Capture::apply(torch::autograd::variable_list&& grads) {
-  at::Tensor& g = grads.at(0);
-  if (!g.defined()) return {};
-  if (accumulate != nullptr) {
-    accumulate_into(*accumulate, *slot, g);
-  } else if (into != nullptr) {
-    *into = into->defined() ? *into + g : std::move(g);
+  TORCH_INTERNAL_ASSERT(grads.size() == sinks.size());
+  for (size_t k = 0; k < grads.size(); ++k) {
+    at::Tensor& g = grads[k];
+    const Sink& sink = sinks[k];
+    if (!g.defined()) continue;
+    if (sink.accumulate != nullptr) {
+      accumulate_into(*sink.accumulate, *sink.slot, g);
+    } else if (sink.into != nullptr) {
+      *sink.into = sink.into->defined() ? *sink.into + g : std::move(g);
+    }
   }
   return {};
 }
 
+namespace {
+
+// The bytes of the grad an input described by `metadata` takes, or -1 where
+// it is not a plain dense tensor of known size.
+int64_t grad_bytes(const torch::autograd::InputMetadata& metadata) {
+  if (metadata.is_tensor_subclass() || metadata.is_nested_tensor() ||
+      metadata.is_cpp_nested_tensor() || metadata.options().layout() != c10::kStrided) {
+    return -1;
+  }
+  int64_t numel = 1;
+  for (const auto& size : metadata.shape_as_dim_vector()) {
+    const auto known = size.maybe_as_int();
+    if (!known) return -1;
+    numel *= *known;
+  }
+  return numel * static_cast<int64_t>(metadata.options().dtype().itemsize());
+}
+
+}  // namespace
+
 Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& window,
-                     const std::vector<at::Tensor>& leaves) {
+                     const std::vector<at::Tensor>& leaves, bool share_small) {
   std::unordered_map<const Node*, size_t> own_leaves;
   for (size_t k = 0; k < leaves.size(); ++k) {
     if (leaves[k].defined()) {
@@ -142,15 +169,39 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
     }
     return e;
   };
+  // The shared capture node being filled, per device, and its bytes.
+  struct Shared {
+    c10::Device device;
+    std::shared_ptr<Capture> node;
+    int64_t bytes;
+  };
+  std::vector<Shared> shared;
+  auto node_for = [&](const torch::autograd::InputMetadata& metadata) {
+    const int64_t bytes = share_small ? grad_bytes(metadata) : -1;
+    if (bytes < 0 || bytes > kShareBytes) return std::make_shared<Capture>();
+    const c10::Device device = metadata.device();
+    auto it = std::find_if(shared.begin(), shared.end(),
+                           [&](const Shared& s) { return s.device == device; });
+    if (it == shared.end()) {
+      it = shared.insert(shared.end(), Shared{device, nullptr, 0});
+    }
+    if (!it->node || it->bytes + bytes > kShareNodeBytes) {
+      it->node = std::make_shared<Capture>();
+      it->bytes = 0;
+    }
+    it->bytes += bytes;
+    return it->node;
+  };
   auto capture = [&](int64_t e) {
     auto& slot = cut.captures[static_cast<size_t>(e)];
     if (!slot.is_valid()) {
       const Edge& outside = cut.externals[static_cast<size_t>(e)];
       const auto& metadata = outside.function->input_metadata(outside.input_nr);
       needs(metadata);
-      auto node = std::make_shared<Capture>(metadata);
+      auto node = node_for(metadata);
+      const uint32_t input = node->add(metadata);
       cut.capture_nodes[static_cast<size_t>(e)] = node;
-      slot = Edge(std::move(node), 0);
+      slot = Edge(std::move(node), input);
     }
     return slot;
   };

@@ -87,21 +87,35 @@ void accumulate_into(torch::autograd::AccumulateGrad& accumulator, GradSlot& slo
 /// hooks (autograd would only add into its leaf's `.grad` there), else null.
 torch::autograd::AccumulateGrad* plain_accumulator(const torch::autograd::Edge& edge);
 
-/// Stands in for an outside node inside a cell's graph (see `Cut`). When a
-/// backward runs it, it hands the grad arriving here to its sink: adds it
-/// into `into` (a sum the cell's backward reads), or into `accumulate`'s
-/// `.grad` through `slot`, as an AccumulateGrad without hooks would. It has
-/// no hooks of its own.
+/// Stands in for outside nodes inside a cell's graph (see `Cut`), one input
+/// per outside edge. When a backward runs it, it hands the grad arriving at
+/// each input to that input's sink: adds it into `into` (a sum the cell's
+/// backward reads), or into `accumulate`'s `.grad` through `slot`, as an
+/// AccumulateGrad without hooks would. It has no hooks of its own.
+///
+/// Autograd runs a node once all the grads flowing into it are there, so a
+/// capture node with several inputs holds the first grads until the last
+/// one comes; what it saves is the engine's cost per node run (~1.5 us on
+/// the CPU, against a few for the whole cell's backward of small layers).
+/// `cut_at_externals` gives several inputs to one node only where those
+/// grads are small (see there).
 class Capture : public torch::autograd::Node {
  public:
-  explicit Capture(const torch::autograd::InputMetadata& metadata);
+  /// Where one input's grad goes in the next backward; set by the cell's
+  /// backward for the inputs it wants, and reset after it.
+  struct Sink {
+    at::Tensor* into = nullptr;
+    torch::autograd::AccumulateGrad* accumulate = nullptr;
+    GradSlot* slot = nullptr;
+  };
+  /// Adds an input standing in for an outside node's input described by
+  /// `metadata`; returns its number.
+  uint32_t add(const torch::autograd::InputMetadata& metadata);
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
   std::string name() const override { return "gpipe::Capture"; }
 
-  /// Where the next backward's grad goes; set by the cell's backward.
-  at::Tensor* into = nullptr;
-  torch::autograd::AccumulateGrad* accumulate = nullptr;
-  GradSlot* slot = nullptr;
+  /// One per input.
+  std::vector<Sink> sinks;
 };
 
 /// A cell's graph, cut where it leaves the cell.
@@ -111,12 +125,13 @@ struct Cut {
   /// are not among them).
   std::vector<torch::autograd::Edge> externals;
   /// For each external edge, where the grads from inside the cell now
-  /// arrive: a capture node standing in for the outside node, so a backward
-  /// can collect them without running the outside node or its hooks
-  /// (parameter hooks fire once, when autograd hands the summed grad on).
-  /// Invalid where only an output itself is the outside tensor.
+  /// arrive: an input of a capture node standing in for the outside node,
+  /// so a backward can collect them without running the outside node or
+  /// its hooks (parameter hooks fire once, when autograd hands the summed
+  /// grad on). Invalid where only an output itself is the outside tensor.
   std::vector<torch::autograd::Edge> captures;
-  /// The capture nodes themselves (null where the edge is invalid).
+  /// The capture nodes themselves (null where the edge is invalid); with
+  /// `share_small`, one node may serve several edges (at different inputs).
   std::vector<std::shared_ptr<Capture>> capture_nodes;
   /// For each output: the number of the external edge it is (the layers
   /// returned an outside tensor as it is), or -1.
@@ -133,8 +148,18 @@ struct Cut {
 
 /// Walks the graph behind `outputs` through the nodes inside `window` and
 /// redirects each edge that leaves it to a capture node (see `Cut`).
+/// `share_small`: edges whose grads are small (up to kShareBytes each, a
+/// plain dense tensor) share one capture node per device, up to
+/// kShareNodeBytes per node, in the order the walk from the outputs
+/// reaches them (about the order backward computes them): a node's grads
+/// wait for the few computed next to them, and the engine runs one node
+/// instead of one per bias or small weight. Not for a cell whose backward
+/// is split (split.h): a run toward one input of a shared node would reach
+/// the other inputs' paths too.
 Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& window,
-                     const std::vector<at::Tensor>& leaves);
+                     const std::vector<at::Tensor>& leaves, bool share_small);
+inline constexpr int64_t kShareBytes = int64_t{64} << 10;
+inline constexpr int64_t kShareNodeBytes = int64_t{1} << 20;
 
 /// Numbers distinct edges (by node and input slot) in the order added.
 class EdgeIndex {

@@ -66,7 +66,12 @@ WeightSplit split_weights(const std::vector<at::Tensor>& outputs,
   const size_t n_captures = cut.capture_nodes.size();
   std::unordered_map<const Node*, size_t> capture_of;
   for (size_t e = 0; e < n_captures; ++e) {
-    if (cut.capture_nodes[e]) capture_of.emplace(cut.capture_nodes[e].get(), e);
+    const auto& node = cut.capture_nodes[e];
+    // A capture node shared by several edges (cut_at_externals'
+    // share_small) would pull a W run toward one of them onto the other
+    // edges' paths: such a cell is not split.
+    if (node && node->num_inputs() != 1) return WeightSplit{};
+    if (node) capture_of.emplace(node.get(), e);
   }
   std::unordered_map<const Node*, bool> leaf_nodes;
   for (const auto& leaf : leaves) {

@@ -185,8 +185,8 @@ Batch run_layers(Layers& layers, const Batch& input) {
 // forward that may draw.
 class RngLocks {
  public:
-  void exclusive(const at::Generator& g) { unique_.emplace_back(lock_for(g)); }
-  void shared(const at::Generator& g) { shared_.emplace_back(lock_for(g)); }
+  void exclusive(GeneratorLock& lock) { unique_.emplace_back(lock); }
+  void shared(GeneratorLock& lock) { shared_.emplace_back(lock); }
 
  private:
   std::vector<std::unique_lock<GeneratorLock>> unique_;
@@ -227,6 +227,7 @@ Stage::Stage(int64_t index, std::unique_ptr<Layers> layers, c10::Device device)
       generators_(generators_for(lane_.device)),
       shared_(generators_.size(), false) {
   TORCH_INTERNAL_ASSERT(generators_.size() <= draws_.size());
+  for (const auto& g : generators_) generator_locks_.push_back(&lock_for(g));
 }
 
 void Stage::set_shared_generators(std::vector<bool> shared) {
@@ -274,7 +275,7 @@ void Stage::begin_step() {
 // per step), and with own streams a cell's numbers depend on the seed, its
 // stage and its micro-batch only: seeded runs are bitwise reproducible.
 Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint,
-                     const CellDraws& draws) {
+                     const CellDraws& draws, bool share_captures) {
   const bool graph = at::GradMode::is_enabled();
   checkpoint = checkpoint && graph;
   const size_t gens = generators_.size();
@@ -293,8 +294,8 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
 
   RngLocks locks;
   for (size_t g = 0; g < gens; ++g) {
-    if (how[g] == Draw::Shared || how[g] == Draw::Verify) locks.shared(generators_[g]);
-    if (how[g] == Draw::Snapshot || how[g] == Draw::Own) locks.exclusive(generators_[g]);
+    if (how[g] == Draw::Shared || how[g] == Draw::Verify) locks.shared(*generator_locks_[g]);
+    if (how[g] == Draw::Snapshot || how[g] == Draw::Own) locks.exclusive(*generator_locks_[g]);
   }
   // A cell may have failed while this one waited for the locks.
   stop_if_cancelled();
@@ -382,7 +383,8 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
   }
   window.close();
   const bool replayable = settle_draws();
-  cell.cut = cut_at_externals(out.values, window, entry.leaves);
+  cell.share_captures = share_captures;
+  cell.cut = cut_at_externals(out.values, window, entry.leaves, share_captures);
   Batch leaving = leave(out, grad_flags(out));
   const bool mutated = versions(input) != versions_before;
   int expected = kUnknown;
@@ -457,7 +459,7 @@ void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
   std::vector<at::Tensor> live(generators_.size());
   for (size_t g = 0; g < generators_.size(); ++g) {
     if (g >= cell.rng_before.size() || !cell.rng_before[g].defined()) continue;
-    locks.exclusive(generators_[g]);
+    locks.exclusive(*generator_locks_[g]);
   }
   stop_if_cancelled();  // as in forward
   for (size_t g = 0; g < generators_.size(); ++g) {
@@ -490,7 +492,7 @@ void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
   }
   window.close();
   cell.leaves = std::move(entry.leaves);
-  cell.cut = cut_at_externals(cell.outputs.values, window, cell.leaves);
+  cell.cut = cut_at_externals(cell.outputs.values, window, cell.leaves, cell.share_captures);
 }
 
 namespace {
@@ -504,15 +506,18 @@ class ArmedCaptures {
       : cut_(cut) {
     for (size_t e = 0; e < cut.externals.size(); ++e) {
       const auto& node = cut.capture_nodes[e];
-      if (!node) continue;
-      node->into = &external_grads[e];
-      node->accumulate = sinks[e].accumulate;
-      node->slot = sinks[e].slot;
+      // Not wanted: nothing goes there (a shared node runs for its other
+      // inputs' sake, and would otherwise hand this one's grad on).
+      if (!node || !sinks[e].wanted) continue;
+      auto& sink = node->sinks[cut.captures[e].input_nr];
+      sink.into = &external_grads[e];
+      sink.accumulate = sinks[e].accumulate;
+      sink.slot = sinks[e].slot;
     }
   }
   ~ArmedCaptures() {
     for (const auto& node : cut_.capture_nodes) {
-      if (node) node->into = nullptr, node->accumulate = nullptr, node->slot = nullptr;
+      if (node) std::fill(node->sinks.begin(), node->sinks.end(), Capture::Sink{});
     }
   }
   ArmedCaptures(const ArmedCaptures&) = delete;

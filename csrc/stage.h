@@ -22,6 +22,8 @@
 
 namespace gpipe::detail {
 
+class GeneratorLock;  // rng.h
+
 /// The layers of one stage, callable on a batch. The C++ Pipe runs
 /// `torch::nn::AnyModule`s; the Python package runs Python modules.
 class Layers {
@@ -82,6 +84,9 @@ struct Cell {
   /// for a checkpointed cell, whose graph is then dropped) and recompute;
   /// see graph.h.
   Cut cut;
+  /// Whether the cut lets small edges share a capture node (graph.h's
+  /// cut_at_externals): not where the backward is split in I and W.
+  bool share_captures = false;
   /// Between I and W (zero-bubble): what W still has to do, the output
   /// grads it may start from, and where it starts.
   enum class Deferred : uint8_t { Nothing, Whole, Split };
@@ -114,13 +119,15 @@ class Stage {
   /// snapshotted (see rng.h). `any_checkpoint`: some cell of this run is
   /// checkpointed, so every cell takes the generator locks. `draws`: the
   /// micro-batch and, when the step gives cells streams of their own, the
-  /// step's seed (see CellDraws). Returns the outputs for the next stage,
+  /// step's seed (see CellDraws). `share_captures`: the cut may let small
+  /// outside edges share a capture node (graph.h; false where this cell's
+  /// backward will be split in I and W). Returns the outputs for the next stage,
   /// without history but with the grad flags the next stage must honour.
   /// A checkpointed cell watches its input: changed in place before the
   /// recompute, it makes the recompute refuse, as autograd's saved-tensor
   /// check would.
   Batch forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint,
-                const CellDraws& draws);
+                const CellDraws& draws, bool share_captures);
 
   /// Which of the stage's generators (see generators_for) other workers of
   /// the pipe draw from too: those get a stream per cell when a step has
@@ -168,6 +175,9 @@ class Stage {
   std::unique_ptr<Layers> layers_;
   Lane lane_;
   std::vector<at::Generator> generators_;
+  /// Their process-wide locks (lock_for, looked up once: a cell takes them
+  /// without the registry's mutex).
+  std::vector<GeneratorLock*> generator_locks_;
   /// Whether the layers modify their input in place (0 unknown, 1 yes, 2
   /// no): a checkpointed cell must then save a copy to recompute from.
   std::atomic<int> mutates_input_{0};

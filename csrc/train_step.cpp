@@ -464,6 +464,12 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
   if (reducer) reducer->begin(*plan_ptr, transport_->rank(), stage_indices());
   if (!plan_ptr) plan_ptr = &plan_of(m);
   const Plan& plan = *plan_ptr;
+  // Small outside edges share capture nodes (graph.h) unless the plan
+  // splits backwards in I and W, where a shared node would tie them.
+  bool share_captures = true;
+  for (const auto& list : plan.lists) {
+    for (const auto& task : list) share_captures = share_captures && task.op != Op::I;
+  }
 
   // Micro-batch i's loss counts rows_i / rows of the whole batch's mean.
   std::vector<double> scale(static_cast<size_t>(m), 1.0 / static_cast<double>(m));
@@ -551,7 +557,7 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
       }
       Span span(tracer_, step, s, i, TracePhase::Forward, lane.compute);
       Batch y = stage.forward(cell, x, i < stops.per_stage[static_cast<size_t>(s)], stops.any,
-                              CellDraws{i, seed});
+                              CellDraws{i, seed}, share_captures);
       span.finish();
       if (loss_fn) outside.reach(cell.cut, local(s));
       if (s + 1 < s_count) {
