@@ -13,8 +13,6 @@
 #include <limits>
 #include <memory>
 #include <string>
-#include <unordered_map>
-#include <unordered_set>
 
 namespace gpipe::detail {
 
@@ -135,7 +133,7 @@ int64_t grad_bytes(const torch::autograd::InputMetadata& metadata) {
 
 Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& window,
                      const std::vector<at::Tensor>& leaves, bool share_small) {
-  std::unordered_map<const Node*, size_t> own_leaves;
+  SmallMap<const Node*, size_t> own_leaves;
   for (size_t k = 0; k < leaves.size(); ++k) {
     if (leaves[k].defined()) {
       own_leaves.emplace(torch::autograd::impl::gradient_edge(leaves[k]).function.get(), k);
@@ -153,9 +151,9 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
     }
   };
   auto own_leaf = [&](const Node* node) {
-    auto it = own_leaves.find(node);
-    if (it == own_leaves.end()) return false;
-    cut.reached[it->second] = true;
+    const size_t* k = own_leaves.find(node);
+    if (k == nullptr) return false;
+    cut.reached[*k] = true;
     return true;
   };
   EdgeIndex numbers;
@@ -206,10 +204,10 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
     return slot;
   };
   auto inside = [&](const Node* node) {
-    return own_leaves.count(node) != 0 || window.contains(*node);
+    return own_leaves.find(node) != nullptr || window.contains(*node);
   };
 
-  std::unordered_set<const Node*> visited;
+  SmallMap<const Node*, char> visited;
   std::vector<Node*> stack;
   cut.direct.assign(outputs.size(), -1);
   for (size_t k = 0; k < outputs.size(); ++k) {
@@ -219,7 +217,7 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
     Node* node = edge.function.get();
     if (!inside(node)) {
       cut.direct[k] = external(edge);
-    } else if (!own_leaf(node) && visited.insert(node).second) {
+    } else if (!own_leaf(node) && visited.emplace(node, 1).second) {
       stack.push_back(node);
     }
   }
@@ -232,7 +230,7 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
       Node* next = edge.function.get();
       if (next == nullptr || own_leaf(next)) continue;
       if (window.contains(*next)) {
-        if (visited.insert(next).second) stack.push_back(next);
+        if (visited.emplace(next, 1).second) stack.push_back(next);
         continue;
       }
       const int64_t e = external(edge);
@@ -247,15 +245,15 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
 }
 
 int64_t EdgeIndex::add(const Edge& edge) {
-  auto [it, inserted] = numbers_.emplace(Key(edge.function.get(), edge.input_nr),
-                                         static_cast<int64_t>(edges_.size()));
-  if (inserted) edges_.push_back(edge);
-  return it->second;
+  auto [number, added] = numbers_.emplace(Key(edge.function.get(), edge.input_nr),
+                                          static_cast<int64_t>(edges_.size()));
+  if (added) edges_.push_back(edge);
+  return *number;
 }
 
 int64_t EdgeIndex::find(const Edge& edge) const {
-  auto it = numbers_.find(Key(edge.function.get(), edge.input_nr));
-  return it == numbers_.end() ? -1 : it->second;
+  const int64_t* number = numbers_.find(Key(edge.function.get(), edge.input_nr));
+  return number == nullptr ? -1 : *number;
 }
 
 }  // namespace gpipe::detail

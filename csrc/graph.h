@@ -26,6 +26,7 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -161,6 +162,45 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
 inline constexpr int64_t kShareBytes = int64_t{64} << 10;
 inline constexpr int64_t kShareNodeBytes = int64_t{1} << 20;
 
+/// A map searched linearly while it holds up to kLinear entries (a cell's
+/// graph usually is that small: no hashing, one allocation), hashed past
+/// that (a stage of hundreds of parameters).
+template <typename Key, typename Value, typename Hash = std::hash<Key>>
+class SmallMap {
+ public:
+  static constexpr size_t kLinear = 16;
+  /// The value of `key`, or null.
+  const Value* find(const Key& key) const {
+    if (hashed_.empty()) {
+      for (const auto& [k, v] : linear_) {
+        if (k == key) return &v;
+      }
+      return nullptr;
+    }
+    auto it = hashed_.find(key);
+    return it == hashed_.end() ? nullptr : &it->second;
+  }
+  /// Adds `key` with `value` unless present; the value now held, and
+  /// whether it was added.
+  std::pair<const Value*, bool> emplace(const Key& key, Value value) {
+    if (const Value* found = find(key)) return {found, false};
+    if (hashed_.empty() && linear_.size() < kLinear) {
+      linear_.emplace_back(key, std::move(value));
+      return {&linear_.back().second, true};
+    }
+    if (hashed_.empty()) {
+      hashed_.reserve(2 * kLinear);
+      for (auto& [k, v] : linear_) hashed_.emplace(k, std::move(v));
+      linear_.clear();
+    }
+    return {&hashed_.emplace(key, std::move(value)).first->second, true};
+  }
+
+ private:
+  std::vector<std::pair<Key, Value>> linear_;
+  std::unordered_map<Key, Value, Hash> hashed_;
+};
+
 /// Numbers distinct edges (by node and input slot) in the order added.
 class EdgeIndex {
  public:
@@ -178,7 +218,7 @@ class EdgeIndex {
       return std::hash<const void*>()(key.first) * 31 + key.second;
     }
   };
-  std::unordered_map<Key, int64_t, Hash> numbers_;
+  SmallMap<Key, int64_t, Hash> numbers_;
   std::vector<torch::autograd::Edge> edges_;
 };
 

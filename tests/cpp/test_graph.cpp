@@ -170,3 +170,20 @@ TEST_CASE("a cell whose small edges share a capture node is not split into I and
     CHECK(gpipe::detail::split_weights({out}, {leaf}, cut).splittable == !share);
   }
 }
+
+TEST_CASE("a small map finds every key before and after it outgrows its linear part") {
+  gpipe::detail::SmallMap<int, int> map;
+  const int n = static_cast<int>(3 * gpipe::detail::SmallMap<int, int>::kLinear);
+  for (int k = 0; k < n; ++k) {
+    const auto [value, added] = map.emplace(k, 10 * k);
+    CHECK(added);
+    CHECK(*value == 10 * k);
+    // Present keys keep their first value.
+    const auto [again, added_again] = map.emplace(k / 2, -1);
+    CHECK_FALSE(added_again);
+    CHECK(*again == 10 * (k / 2));
+    for (int j = 0; j <= k; ++j) REQUIRE(map.find(j) != nullptr);
+    CHECK(map.find(k + 1) == nullptr);
+  }
+  for (int k = 0; k < n; ++k) CHECK(*map.find(k) == 10 * k);
+}
