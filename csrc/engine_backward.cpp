@@ -325,7 +325,7 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
                                           stage.lane(), tracer_, run.step);
       TORCH_INTERNAL_ASSERT(received);
     }
-    const size_t values = c.checkpointed ? c.saved.size() : c.leaves.size();
+    const size_t values = c.checkpointed ? c.saved.size() : c.input_sinks.size();
     const std::vector<bool> wanted_inputs = wants.of_cell(j, values, needed_inputs, skips_);
     bool any_grad = false;
     for (const auto& g : dy.values) any_grad = any_grad || g.defined();

@@ -132,15 +132,13 @@ int64_t grad_bytes(const torch::autograd::InputMetadata& metadata) {
 }  // namespace
 
 Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& window,
-                     const std::vector<at::Tensor>& leaves, bool share_small) {
-  SmallMap<const Node*, size_t> own_leaves;
-  for (size_t k = 0; k < leaves.size(); ++k) {
-    if (leaves[k].defined()) {
-      own_leaves.emplace(torch::autograd::impl::gradient_edge(leaves[k]).function.get(), k);
-    }
+                     const std::vector<const Node*>& inputs, bool share_small) {
+  SmallMap<const Node*, size_t> own_inputs;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    if (inputs[k] != nullptr) own_inputs.emplace(inputs[k], k);
   }
   Cut cut;
-  cut.reached.assign(leaves.size(), false);
+  cut.reached.assign(inputs.size(), false);
   // Autograd runs a node on the thread of the first non-CPU device its
   // grads arrive on (InputBuffer::device): note each such device.
   auto needs = [&](const torch::autograd::InputMetadata& metadata) {
@@ -150,10 +148,13 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
       cut.devices.push_back(device);
     }
   };
-  auto own_leaf = [&](const Node* node) {
-    const size_t* k = own_leaves.find(node);
+  auto own_input = [&](const Node* node) {
+    const size_t* k = own_inputs.find(node);
     if (k == nullptr) return false;
-    cut.reached[*k] = true;
+    if (!cut.reached[*k]) {
+      cut.reached[*k] = true;
+      needs(node->input_metadata(0));  // the input's grad arrives there
+    }
     return true;
   };
   EdgeIndex numbers;
@@ -204,7 +205,7 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
     return slot;
   };
   auto inside = [&](const Node* node) {
-    return own_leaves.find(node) != nullptr || window.contains(*node);
+    return own_inputs.find(node) != nullptr || window.contains(*node);
   };
 
   SmallMap<const Node*, char> visited;
@@ -217,7 +218,7 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
     Node* node = edge.function.get();
     if (!inside(node)) {
       cut.direct[k] = external(edge);
-    } else if (!own_leaf(node) && visited.emplace(node, 1).second) {
+    } else if (!own_input(node) && visited.emplace(node, 1).second) {
       stack.push_back(node);
     }
   }
@@ -228,7 +229,7 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
     for (uint32_t i = 0; i < node->num_outputs(); ++i) {
       const Edge& edge = node->next_edge(i);
       Node* next = edge.function.get();
-      if (next == nullptr || own_leaf(next)) continue;
+      if (next == nullptr || own_input(next)) continue;
       if (window.contains(*next)) {
         if (visited.emplace(next, 1).second) stack.push_back(next);
         continue;

@@ -1,14 +1,14 @@
 // graph.h — where a cell's autograd graph leaves what the cell built: edges to parameters and other outside tensors.
 //
-// A cell's forward builds a stage-local graph that starts at the cell's input
-// leaves. It also reaches tensors the cell did not make: the layers'
+// A cell's forward builds a stage-local graph that starts at the nodes where
+// the cell's input grads end. It also reaches tensors the cell did not make: the layers'
 // parameters, a weight tied to another module, a tensor a layer closes over.
 // The plain model sends grads into those; so must the Pipe. Their edges
 // become edges of the PipeBackward node, and each cell's backward collects
 // the grads flowing into them (at capture nodes that stand in for them)
 // instead of accumulating them itself:
 //
-//   cell graph:   out <- ... <- Boundary <- input leaves           (internal)
+//   cell graph:   out <- ... <- input sinks (Capture)             (internal)
 //                          \
 //                           `--> Capture  (was: AccumulateGrad(W) or W.grad_fn)
 //   PipeBackward ------------->  AccumulateGrad(W), W.grad_fn      (external)
@@ -89,10 +89,12 @@ void accumulate_into(torch::autograd::AccumulateGrad& accumulator, GradSlot& slo
 torch::autograd::AccumulateGrad* plain_accumulator(const torch::autograd::Edge& edge);
 
 /// Stands in for outside nodes inside a cell's graph (see `Cut`), one input
-/// per outside edge. When a backward runs it, it hands the grad arriving at
-/// each input to that input's sink: adds it into `into` (a sum the cell's
-/// backward reads), or into `accumulate`'s `.grad` through `slot`, as an
-/// AccumulateGrad without hooks would. It has no hooks of its own.
+/// per outside edge; and, with one input, is where a cell's input grad ends
+/// (stage.cpp's `enter`). When a backward runs it, it hands the grad
+/// arriving at each input to that input's sink: adds it into `into` (a sum
+/// the cell's backward reads), or into `accumulate`'s `.grad` through
+/// `slot`, as an AccumulateGrad without hooks would. It has no hooks of its
+/// own.
 ///
 /// Autograd runs a node once all the grads flowing into it are there, so a
 /// capture node with several inputs holds the first grads until the last
@@ -122,8 +124,8 @@ class Capture : public torch::autograd::Node {
 /// A cell's graph, cut where it leaves the cell.
 struct Cut {
   /// The edges leaving the cell's graph, once each, in the order first
-  /// reached (edges into the accumulators of the cell's own input leaves
-  /// are not among them).
+  /// reached (edges into the nodes where the cell's input grads end are not
+  /// among them).
   std::vector<torch::autograd::Edge> externals;
   /// For each external edge, where the grads from inside the cell now
   /// arrive: an input of a capture node standing in for the outside node,
@@ -137,7 +139,7 @@ struct Cut {
   /// For each output: the number of the external edge it is (the layers
   /// returned an outside tensor as it is), or -1.
   std::vector<int64_t> direct;
-  /// For each of the cell's input leaves: whether the graph reaches it (an
+  /// For each of the cell's inputs: whether the graph reaches its node (an
   /// output depends on that input).
   std::vector<bool> reached;
   /// The devices other than the CPU that the graph's nodes (capture nodes
@@ -149,6 +151,8 @@ struct Cut {
 
 /// Walks the graph behind `outputs` through the nodes inside `window` and
 /// redirects each edge that leaves it to a capture node (see `Cut`).
+/// `inputs`: for each of the cell's inputs, the node its grad ends in (null
+/// where the input needs none); the walk stops there.
 /// `share_small`: edges whose grads are small (up to kShareBytes each, a
 /// plain dense tensor) share one capture node per device, up to
 /// kShareNodeBytes per node, in the order the walk from the outputs
@@ -158,7 +162,7 @@ struct Cut {
 /// is split (split.h): a run toward one input of a shared node would reach
 /// the other inputs' paths too.
 Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& window,
-                     const std::vector<at::Tensor>& leaves, bool share_small);
+                     const std::vector<const torch::autograd::Node*>& inputs, bool share_small);
 inline constexpr int64_t kShareBytes = int64_t{64} << 10;
 inline constexpr int64_t kShareNodeBytes = int64_t{1} << 20;
 

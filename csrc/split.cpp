@@ -48,7 +48,7 @@ class Bits {
 };
 
 struct Info {
-  bool input_path = false;  // leads to an input leaf
+  bool input_path = false;  // leads to an input sink
   Bits reach;               // captures it leads to
   bool done = false;
 };
@@ -62,7 +62,7 @@ bool has_hooks(const Node& node) {
 }  // namespace
 
 WeightSplit split_weights(const std::vector<at::Tensor>& outputs,
-                          const std::vector<at::Tensor>& leaves, const Cut& cut) {
+                          const std::vector<const Node*>& inputs, const Cut& cut) {
   const size_t n_captures = cut.capture_nodes.size();
   std::unordered_map<const Node*, size_t> capture_of;
   for (size_t e = 0; e < n_captures; ++e) {
@@ -73,15 +73,15 @@ WeightSplit split_weights(const std::vector<at::Tensor>& outputs,
     if (node && node->num_inputs() != 1) return WeightSplit{};
     if (node) capture_of.emplace(node.get(), e);
   }
-  std::unordered_map<const Node*, bool> leaf_nodes;
-  for (const auto& leaf : leaves) {
-    if (leaf.defined()) leaf_nodes.emplace(torch::autograd::impl::gradient_edge(leaf).function.get(), true);
+  std::unordered_map<const Node*, bool> input_nodes;  // where the wanted input grads end
+  for (const Node* input : inputs) {
+    if (input != nullptr) input_nodes.emplace(input, true);
   }
   // Post-order walk (explicit stack: graphs can be deep) from the outputs
-  // through the cell's own nodes; captures and input leaves end it.
+  // through the cell's own nodes; captures and input nodes end it.
   std::unordered_map<Node*, Info> info;
   auto internal = [&](const Node* node) {
-    return node != nullptr && capture_of.count(node) == 0 && leaf_nodes.count(node) == 0;
+    return node != nullptr && capture_of.count(node) == 0 && input_nodes.count(node) == 0;
   };
   std::vector<std::pair<Node*, bool>> stack;
   for (const auto& out : outputs) {
@@ -107,7 +107,7 @@ WeightSplit split_weights(const std::vector<at::Tensor>& outputs,
     for (const auto& edge : node->next_edges()) {
       const Node* next = edge.function.get();
       if (next == nullptr) continue;
-      if (leaf_nodes.count(next) != 0) {
+      if (input_nodes.count(next) != 0) {
         result.input_path = true;
       } else if (auto it = capture_of.find(next); it != capture_of.end()) {
         result.reach.set(it->second);
@@ -137,7 +137,7 @@ WeightSplit split_weights(const std::vector<at::Tensor>& outputs,
     bool leaves_path = false;
     for (const auto& edge : node->next_edges()) {
       const Node* next = edge.function.get();
-      if (next == nullptr || leaf_nodes.count(next) != 0) continue;
+      if (next == nullptr || input_nodes.count(next) != 0) continue;
       if (auto it = capture_of.find(next); it != capture_of.end()) {
         leaving.set(it->second);
         leaves_path = true;

@@ -1,14 +1,14 @@
 // split.h — zero-bubble's split of a cell's backward into an input-grad pass (I) and a weight-grad pass (W).
 //
-// I back-propagates only toward the cell's input leaves; W later computes
-// what I skipped: the grads flowing into the capture nodes (parameters and
-// other outside tensors, see graph.h). The nodes on a path to an input leaf
-// form the input path; a node of the input path with an edge leaving it
+// I back-propagates only toward the nodes where the cell's input grads end
+// (its input sinks); W later computes what I skipped: the grads flowing
+// into the capture nodes (parameters and other outside tensors, see
+// graph.h). The nodes on a path to an input sink form the input path; a node of the input path with an edge leaving it
 // (toward captures only) is a frontier node. I catches the grads arriving
 // at each frontier node (a pre-hook); W runs each frontier node again from
 // those grads, toward the captures its leaving edges reach:
 //
-//   out -> Addmm2 -> Relu -> Addmm1 -> Boundary -> input leaf      (input path: I)
+//   out -> Addmm2 -> Relu -> Addmm1 -> input sink                   (input path: I)
 //            |  `-> T -> capture(W2)                 `-> capture(b1), T -> capture(W1)
 //            `-> capture(b2)                                        (frontier edges: W)
 //
@@ -55,10 +55,11 @@ struct WeightSplit {
   std::vector<WeightRoot> roots;
 };
 
-/// Analyses the graph behind `outputs` (a cell's, cut by `cut`), whose input
-/// leaves are `leaves`, and hooks the frontier nodes to catch their grads
-/// while a `Caught` is armed.
+/// Analyses the graph behind `outputs` (a cell's, cut by `cut`), whose
+/// input grads wanted end in the nodes `inputs` (null where not wanted),
+/// and hooks the frontier nodes to catch their grads while a `Caught` is
+/// armed.
 WeightSplit split_weights(const std::vector<at::Tensor>& outputs,
-                          const std::vector<at::Tensor>& leaves, const Cut& cut);
+                          const std::vector<const torch::autograd::Node*>& inputs, const Cut& cut);
 
 }  // namespace gpipe::detail

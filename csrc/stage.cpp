@@ -10,7 +10,6 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty_strided.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -24,7 +23,6 @@ namespace gpipe::detail {
 
 namespace {
 
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // mutates_input_: whether the layers modify their input in place.
@@ -35,58 +33,49 @@ constexpr int kKeeps = 2;
 constexpr int kDraws = 1;
 constexpr int kDrawsNot = 2;
 
-// The stage-boundary identity. A stage's first layer may modify its input in
-// place (ReLU(inplace=true)); autograd refuses that on a leaf requiring grad,
-// yet the leaf is where the input's grad lands. So the layers get this node's
-// outputs instead: non-leaf aliases of the leaves.
-//
-//   leaf (requires grad, .grad = input grad) <- Boundary <- layers (may work in place)
-//
-// A leaf whose alias no grad reaches gets none (not zeros, which autograd
-// would make up by default when another alias of the same node gets one):
-// the stage before then runs no backward for it, as in the plain model.
-struct Boundary : torch::autograd::Function<Boundary> {
-  static variable_list forward(AutogradContext* ctx, at::TensorList xs) {
-    ctx->set_materialize_grads(false);
-    variable_list out;
-    out.reserve(xs.size());
-    for (const auto& x : xs) out.push_back(x.detach());
-    return out;
-  }
-  static variable_list backward(AutogradContext* /*ctx*/, variable_list grads) { return grads; }
-};
-
 bool can_require_grad(const at::Tensor& t) {
   return t.defined() && (t.is_floating_point() || t.is_complex());
 }
 
-// The layers' input for a graph-building forward, and the leaves whose grads
-// are the input grads.
+// The layers' input for a graph-building forward: aliases of the input
+// whose grads end in a node of the cell's own, one per input needing grad.
+//
+//   input sink k (Capture, one input) <- alias k <- layers (may work in place)
+//
+// Not leaves: a stage's first layer may modify its input in place
+// (ReLU(inplace=true)), which autograd refuses on a leaf requiring grad, and
+// a leaf's accumulator would be one more node for autograd to run per input
+// and cell (~1.5 us each). The cell's backward points each wanted sink at
+// the slot of that input's grad; a sink no grad reaches leaves its input
+// without one (not zeros): the stage before then runs no backward for it,
+// as in the plain model.
 struct Entry {
   Batch input;
-  std::vector<at::Tensor> leaves;
+  std::vector<std::shared_ptr<Capture>> sinks;
 };
 
 Entry enter(const Batch& input, const std::vector<bool>& requires_grad) {
-  Entry e{input, std::vector<at::Tensor>(input.size())};
-  variable_list leaves;
-  std::vector<size_t> where;
+  Entry e{input, std::vector<std::shared_ptr<Capture>>(input.size())};
   for (size_t k = 0; k < input.size(); ++k) {
     if (!input[k].defined()) continue;
+    at::Tensor alias = input[k].detach();  // shares the input's version counter
     if (requires_grad[k]) {
-      e.leaves[k] = input[k].detach().requires_grad_(true);
-      leaves.push_back(e.leaves[k]);
-      where.push_back(k);
-    } else {
-      e.input[k] = input[k].detach();
+      auto sink = std::make_shared<Capture>();
+      sink->add(torch::autograd::InputMetadata(alias));
+      torch::autograd::impl::set_gradient_edge(alias, torch::autograd::Edge(sink, 0));
+      e.sinks[k] = std::move(sink);
     }
-  }
-  if (!leaves.empty()) {
-    // A TensorList, not a vector: apply() only sees tensors it can iterate.
-    auto aliases = Boundary::apply(at::TensorList(leaves));
-    for (size_t m = 0; m < where.size(); ++m) e.input[where[m]] = aliases[m];
+    e.input[k] = std::move(alias);
   }
   return e;
+}
+
+std::vector<const torch::autograd::Node*> nodes_of(
+    const std::vector<std::shared_ptr<Capture>>& sinks) {
+  std::vector<const torch::autograd::Node*> nodes;
+  nodes.reserve(sinks.size());
+  for (const auto& sink : sinks) nodes.push_back(sink.get());
+  return nodes;
 }
 
 std::vector<bool> grad_flags(const Batch& batch) {
@@ -384,7 +373,7 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
   window.close();
   const bool replayable = settle_draws();
   cell.share_captures = share_captures;
-  cell.cut = cut_at_externals(out.values, window, entry.leaves, share_captures);
+  cell.cut = cut_at_externals(out.values, window, nodes_of(entry.sinks), share_captures);
   Batch leaving = leave(out, grad_flags(out));
   const bool mutated = versions(input) != versions_before;
   int expected = kUnknown;
@@ -396,7 +385,7 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
     cell.saved_requires_grad.clear();
     cell.rng_before.clear();
     cell.outputs = std::move(out);
-    cell.leaves = std::move(entry.leaves);
+    cell.input_sinks = std::move(entry.sinks);
     return std::move(leaving);
   };
   if (!checkpoint) return keep_graph();
@@ -491,8 +480,9 @@ void Stage::recompute(Cell& cell, const at::ThreadLocalState& forward_state) {
     cell.outputs = run_layers(*layers_, entry.input);
   }
   window.close();
-  cell.leaves = std::move(entry.leaves);
-  cell.cut = cut_at_externals(cell.outputs.values, window, cell.leaves, cell.share_captures);
+  cell.input_sinks = std::move(entry.sinks);
+  cell.cut = cut_at_externals(cell.outputs.values, window, nodes_of(cell.input_sinks),
+                              cell.share_captures);
 }
 
 namespace {
@@ -527,6 +517,33 @@ class ArmedCaptures {
   const Cut& cut_;
 };
 
+// Points the sinks of the wanted inputs at their slots in `grads` for one
+// backward pass (a grad reaching any other sink is dropped), and back at
+// nothing afterwards; adds those sinks to `targets`.
+class ArmedInputs {
+ public:
+  ArmedInputs(const std::vector<std::shared_ptr<Capture>>& sinks, const std::vector<bool>& wanted,
+              std::vector<at::Tensor>& grads, torch::autograd::edge_list& targets)
+      : sinks_(sinks) {
+    grads.assign(sinks.size(), at::Tensor());
+    for (size_t k = 0; k < sinks.size(); ++k) {
+      if (!sinks[k] || k >= wanted.size() || !wanted[k]) continue;
+      sinks[k]->sinks[0].into = &grads[k];
+      targets.emplace_back(sinks[k], 0);
+    }
+  }
+  ~ArmedInputs() {
+    for (const auto& sink : sinks_) {
+      if (sink) sink->sinks[0] = Capture::Sink{};
+    }
+  }
+  ArmedInputs(const ArmedInputs&) = delete;
+  ArmedInputs& operator=(const ArmedInputs&) = delete;
+
+ private:
+  const std::vector<std::shared_ptr<Capture>>& sinks_;
+};
+
 // The layers returned an outside tensor itself as output k: its grad is
 // `grad`, straight into the sink.
 void deliver_direct(int64_t direct, const at::Tensor& grad, const std::vector<ExternalSink>& sinks,
@@ -541,7 +558,7 @@ void deliver_direct(int64_t direct, const at::Tensor& grad, const std::vector<Ex
   }
 }
 
-// `every_sink`: the targets are every leaf accumulator and capture node the
+// `every_sink`: the targets are every input sink and capture node the
 // roots reach (the cut leaves no other way out of the cell), so the walk
 // needs no pruning to them: autograd then skips building its per-call map
 // of the nodes on a path to a target (GraphTask::init_to_execute), a cost
@@ -549,7 +566,7 @@ void deliver_direct(int64_t direct, const at::Tensor& grad, const std::vector<Ex
 void run_backward(const torch::autograd::edge_list& roots, const variable_list& grads,
                   bool keep_graph, const torch::autograd::edge_list& targets, bool every_sink) {
   if (roots.empty() || targets.empty()) return;
-  // accumulate_grad: the targets run (leaf accumulators, capture nodes)
+  // accumulate_grad: the targets run (input sinks, capture nodes)
   // rather than being captured; nothing else outside the cell is reached.
   torch::autograd::Engine::get_default_engine().execute(
       roots, grads, keep_graph, /*create_graph=*/false, /*accumulate_grad=*/true,
@@ -579,47 +596,36 @@ Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
     roots.push_back(torch::autograd::impl::gradient_edge(out));
     root_grads.push_back(grads[k]);
   }
-  // The grads leave the cell at its input leaves (accumulated into their
-  // .grad, read below) and at the capture nodes of the external edges asked
-  // for, which add them into .grad or into a sum as they arrive, so a
+  // The grads leave the cell at the sinks of its wanted inputs (into
+  // `result`) and at the capture nodes of the external edges asked for,
+  // which add them into .grad or into a sum as they arrive, so a
   // parameter's grad lives no longer than in the plain model's backward.
-  torch::autograd::edge_list targets;
-  bool every_sink = true;
-  for (size_t k = 0; k < cell.leaves.size(); ++k) {
-    auto& leaf = cell.leaves[k];
-    if (!leaf.defined()) continue;
-    leaf.mutable_grad().reset();
-    if (k < wanted_inputs.size() && wanted_inputs[k]) {
-      targets.push_back(torch::autograd::impl::gradient_edge(leaf));
-    } else {
-      every_sink = every_sink && !cut.reached[k];
-    }
-  }
-  for (size_t e = 0; e < cut.externals.size(); ++e) {
-    if (!cut.capture_nodes[e]) continue;
-    if (sinks[e].wanted) {
-      targets.push_back(cut.captures[e]);
-    } else {
-      every_sink = false;
-    }
-  }
-  {
-    ArmedCaptures armed(cut, sinks, external_grads);
-    run_backward(roots, root_grads, keep_graph, targets, every_sink);
-  }
   Batch result;
   result.atomic = cell.input_atomic;
-  result.values.reserve(cell.leaves.size());
-  for (size_t k = 0; k < cell.leaves.size(); ++k) {
-    const auto& leaf = cell.leaves[k];
-    const bool wanted = k < wanted_inputs.size() && wanted_inputs[k];
-    result.values.push_back(leaf.defined() && wanted ? leaf.grad() : at::Tensor());
+  {
+    torch::autograd::edge_list targets;
+    ArmedInputs inputs(cell.input_sinks, wanted_inputs, result.values, targets);
+    bool every_sink = true;
+    for (size_t k = 0; k < cell.input_sinks.size(); ++k) {
+      const bool wanted = k < wanted_inputs.size() && wanted_inputs[k];
+      if (cell.input_sinks[k] && !wanted) every_sink = every_sink && !cut.reached[k];
+    }
+    for (size_t e = 0; e < cut.externals.size(); ++e) {
+      if (!cut.capture_nodes[e]) continue;
+      if (sinks[e].wanted) {
+        targets.push_back(cut.captures[e]);
+      } else {
+        every_sink = false;
+      }
+    }
+    ArmedCaptures armed(cut, sinks, external_grads);
+    run_backward(roots, root_grads, keep_graph, targets, every_sink);
   }
   if (cell.checkpointed) {
     // The recomputed graph is spent either way; the checkpoint stays for
     // another backward only when asked to.
     cell.outputs = Batch();
-    cell.leaves.clear();
+    cell.input_sinks.clear();
     if (!keep_graph) cell = Cell();
   } else if (!keep_graph) {
     cell = Cell();
@@ -633,16 +639,17 @@ Batch Stage::backward_input(Cell& cell, const Batch& grads, const std::vector<bo
   TORCH_CHECK(grads.size() == cell.outputs.size(), "stage ", index_, " produced ",
               cell.outputs.size(), " outputs but received ", grads.size(), " grads");
   external_grads.assign(cell.cut.externals.size(), at::Tensor());
-  // Only the wanted leaves count as inputs: a path to any other is W's.
-  std::vector<at::Tensor> inputs(cell.leaves.size());
+  // Only the wanted inputs' sinks count: a path to any other is W's.
+  const size_t values = cell.input_sinks.size();
+  std::vector<const torch::autograd::Node*> inputs(values);
   bool any_input = false;
-  for (size_t k = 0; k < cell.leaves.size(); ++k) {
-    if (cell.leaves[k].defined() && k < wanted_inputs.size() && wanted_inputs[k]) {
-      inputs[k] = cell.leaves[k];
+  for (size_t k = 0; k < values; ++k) {
+    if (cell.input_sinks[k] && k < wanted_inputs.size() && wanted_inputs[k]) {
+      inputs[k] = cell.input_sinks[k].get();
       any_input = true;
     }
   }
-  Batch none(std::vector<at::Tensor>(cell.leaves.size()), cell.input_atomic);
+  Batch none(std::vector<at::Tensor>(values), cell.input_atomic);
   if (!any_input) {
     // Nothing to pass back (the first stage): all of it is W's.
     cell.deferred = Cell::Deferred::Whole;
@@ -664,13 +671,10 @@ Batch Stage::backward_input(Cell& cell, const Batch& grads, const std::vector<bo
     roots.push_back(torch::autograd::impl::gradient_edge(out));
     root_grads.push_back(grads[k]);
   }
-  torch::autograd::edge_list targets;
-  for (auto& leaf : inputs) {
-    if (!leaf.defined()) continue;
-    leaf.mutable_grad().reset();
-    targets.push_back(torch::autograd::impl::gradient_edge(leaf));
-  }
+  Batch result = none;
   {
+    torch::autograd::edge_list targets;
+    ArmedInputs armed_inputs(cell.input_sinks, wanted_inputs, result.values, targets);
     struct Arm {
       WeightSplit& split;
       explicit Arm(WeightSplit& s) : split(s) {
@@ -685,10 +689,6 @@ Batch Stage::backward_input(Cell& cell, const Batch& grads, const std::vector<bo
       }
     } arm(*split);
     run_backward(roots, root_grads, /*keep_graph=*/true, targets, /*every_sink=*/false);
-  }
-  Batch result = none;
-  for (size_t k = 0; k < inputs.size(); ++k) {
-    if (inputs[k].defined()) result.values[k] = inputs[k].grad();
   }
   cell.deferred = Cell::Deferred::Split;
   cell.output_grads = grads;
@@ -706,7 +706,7 @@ void Stage::backward_weight(Cell& cell, const std::vector<ExternalSink>& sinks,
       return;
     case Cell::Deferred::Whole: {
       const Batch grads = std::move(cell.output_grads);
-      backward(cell, grads, /*keep_graph=*/false, std::vector<bool>(cell.leaves.size(), false),
+      backward(cell, grads, /*keep_graph=*/false, std::vector<bool>(cell.input_sinks.size(), false),
                sinks, external_grads);
       cell = Cell();
       return;

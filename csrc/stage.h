@@ -74,9 +74,10 @@ struct Cell {
   /// Checkpointed: the state of each of the stage's generators before the
   /// first forward (undefined where the stage does not draw from it).
   std::vector<at::Tensor> rng_before;
-  /// Stage-local graph: leaves standing for the inputs (undefined where an
-  /// input needs no grad) and the outputs it ends in.
-  std::vector<at::Tensor> leaves;
+  /// Stage-local graph: the nodes where the input grads end (null where an
+  /// input needs no grad; stage.cpp's `enter`) and the outputs it starts
+  /// from.
+  std::vector<std::shared_ptr<Capture>> input_sinks;
   Batch outputs;
   /// Where the stage-local graph reaches tensors the cell did not make
   /// (parameters, tied weights, tensors the layers close over): the grads

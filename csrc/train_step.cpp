@@ -634,7 +634,7 @@ at::Tensor Engine::step(const Batch& input, const Batch& target, const LossFn* l
       span.finish();
       phase = name;
     }
-    const size_t values = cell.leaves.size();
+    const size_t values = cell.input_sinks.size();
     std::vector<bool> wanted(values, true);
     if (s == 0) {
       for (size_t v = 0; v < values; ++v) wanted[v] = v < input_wanted.size() && input_wanted[v];

@@ -16,6 +16,15 @@ using gpipe::detail::cut_at_externals;
 using gpipe::detail::GraphWindow;
 using torch::autograd::impl::gradient_edge;
 
+namespace {
+
+// Where `leaf`'s grad ends: the node a cut stops at.
+const torch::autograd::Node* node_of(const torch::Tensor& leaf) {
+  return gradient_edge(leaf).function.get();
+}
+
+}  // namespace
+
 TEST_CASE("external edges lead to parameters and to tensors made before the cell, once each") {
   const bool share = GENERATE(false, true);
   INFO("share_small " << share);
@@ -31,7 +40,7 @@ TEST_CASE("external edges lead to parameters and to tensors made before the cell
   // Before the cut redirects the edges: what plain autograd says.
   const auto want = torch::autograd::grad({out.sum()}, {weight, outside}, {}, true);
 
-  const auto cut = cut_at_externals({out}, window, {leaf}, share);
+  const auto cut = cut_at_externals({out}, window, {node_of(leaf)}, share);
   EdgeIndex index;
   for (const auto& e : cut.externals) index.add(e);
   REQUIRE(cut.externals.size() == 2);
@@ -72,7 +81,7 @@ TEST_CASE("nodes made on another thread during the window are outside") {
   std::thread([&] { other = leaf * 3; }).join();
   auto out = other.exp();
   window.close();
-  const auto cut = cut_at_externals({out}, window, {leaf}, /*share_small=*/true);
+  const auto cut = cut_at_externals({out}, window, {node_of(leaf)}, /*share_small=*/true);
   REQUIRE(cut.externals.size() == 1);
   CHECK(cut.externals[0].function == other.grad_fn());
 }
@@ -86,13 +95,13 @@ TEST_CASE("a cut names the non-CPU devices its nodes take grads on (the deadlock
     GraphWindow window;
     auto out = leaf.matmul(weight).tanh();
     window.close();
-    CHECK(cut_at_externals({out}, window, {leaf}, true).devices.empty());
+    CHECK(cut_at_externals({out}, window, {node_of(leaf)}, true).devices.empty());
   }
   {
     GraphWindow window;
     auto out = leaf.matmul(weight).to(at::kMeta) * 2;  // a node on the meta device
     window.close();
-    const auto cut = cut_at_externals({out}, window, {leaf}, true);
+    const auto cut = cut_at_externals({out}, window, {node_of(leaf)}, true);
     REQUIRE(cut.devices.size() == 1);
     CHECK(cut.devices[0] == c10::Device(at::kMeta));
   }
@@ -102,7 +111,7 @@ TEST_CASE("a cut names the non-CPU devices its nodes take grads on (the deadlock
     GraphWindow window;
     auto out = leaf.to(at::kMeta) + far;
     window.close();
-    const auto cut = cut_at_externals({out}, window, {leaf}, true);
+    const auto cut = cut_at_externals({out}, window, {node_of(leaf)}, true);
     CHECK(cut.devices == std::vector<c10::Device>{c10::Device(at::kMeta)});
   }
 }
@@ -123,7 +132,7 @@ TEST_CASE("small grads share a capture node per device, up to a node's bytes; la
   auto out = h;
   auto meta_out = leaf.to(at::kMeta).sum(1).mul(meta).sum();
   window.close();
-  const auto cut = cut_at_externals({out, meta_out}, window, {leaf}, /*share_small=*/true);
+  const auto cut = cut_at_externals({out, meta_out}, window, {node_of(leaf)}, /*share_small=*/true);
   EdgeIndex index;
   for (const auto& e : cut.externals) index.add(e);
   REQUIRE(cut.externals.size() == 22);
@@ -164,10 +173,10 @@ TEST_CASE("a cell whose small edges share a capture node is not split into I and
     GraphWindow window;
     auto out = leaf.matmul(w1).tanh().matmul(w2);
     window.close();
-    const auto cut = cut_at_externals({out}, window, {leaf}, share);
+    const auto cut = cut_at_externals({out}, window, {node_of(leaf)}, share);
     // Splittable as two frontier nodes when each edge has its own node; a
     // W run toward w2's input of a shared node would reach w1's path too.
-    CHECK(gpipe::detail::split_weights({out}, {leaf}, cut).splittable == !share);
+    CHECK(gpipe::detail::split_weights({out}, {node_of(leaf)}, cut).splittable == !share);
   }
 }
 

@@ -1,6 +1,6 @@
 """reference.py — the boundary-cloned model: the reference where gpipe's hand-over is deliberate.
 
-gpipe hands every stage its input (``Boundary`` in csrc/stage.cpp) so that the
+gpipe hands every stage its input (``enter`` in csrc/stage.cpp) so that the
 stage's first layer may work in place, even where the plain model refuses: on
 a leaf that requires grad or a view of one ("a leaf Variable that requires
 grad is being used in an in-place operation"), and, with checkpointing, on a

@@ -837,3 +837,49 @@ def test_zb_v_runs_its_stages_in_a_v():
         gpipe.Pipe(mlp(), balance=[2, 1, 1, 1, 1, 1], schedule="zb_v", virtual_stages=3)
     with pytest.raises(ValueError, match="virtual_stages 2"):
         gpipe.Pipe(mlp(), balance=[3, 2, 2], schedule="zb_v")
+
+
+class DoubleGradOfInput(nn.Module):
+    """Opens a stage: a hook on its input doubles the grad passing back through it, and the
+    input keeps its grad (retain_grad), as on any non-leaf tensor of the plain model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: List[Tensor] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.requires_grad:
+            x.register_hook(lambda g: g * 2)
+            x.retain_grad()
+            self.seen.append(x)
+        return x
+
+
+@pytest.mark.parametrize("config", list(SCHEDULES))
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_hooks_on_a_stage_input_and_a_stage_passing_its_input_on(config, checkpoint):
+    # A stage's input reaches its layers as a non-leaf alias whose grad ends in a node of the
+    # cell's own: a tensor hook there changes the grad the previous stage gets, and a stage
+    # made of one layer that returns its input passes the grad on unchanged, under every
+    # schedule (zb_h1 and zb_v split that backward into I and W).
+    def model() -> nn.Sequential:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(4, 5), DoubleGradOfInput(), nn.Tanh(), nn.Identity(),
+                             nn.Linear(5, 5), nn.ReLU(inplace=True), nn.Linear(5, 2)).double()
+    balances = {name: [1, 2, 1, 3] for name in SCHEDULES}
+    balances["gpipe"] = balances["1f1b"] = balances["interleaved-v1"] = [1, 3, 3]
+    balances["interleaved-v3"] = [1, 2, 1, 1, 1, 1]
+    x = torch.randn(6, 4, dtype=f64)
+    y = torch.randn(6, 2, dtype=f64)
+    pipe, ref = compare_train_step(model(), x, y, F.mse_loss, chunks=3, checkpoint=checkpoint,
+                                   **pipe_options(config, balances))
+    # The retained grads: the plain model's one for the batch, the Pipe's one per micro-batch
+    # (checkpointed: on the recompute's aliases; the forward's graph was dropped unrun), in
+    # whatever order the schedule ran the backwards.
+    plain = list(ref[1].seen[-1].grad.tensor_split(3))
+    got = [t.grad for t in pipe[1].seen if t.grad is not None]
+    assert len(got) == 3, f"{len(got)} retained grads, want one per micro-batch"
+    for g in got:
+        match = [k for k, p in enumerate(plain) if max_diff(g, p) <= TOL]
+        assert match, f"a retained grad matches no micro-batch of the plain model's: {g}"
+        plain.pop(match[0])
