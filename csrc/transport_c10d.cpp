@@ -152,7 +152,13 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
   }
   const std::string backend = group_->getBackendName();
   gloo_ = backend == "gloo";
+  abortable_ = gloo_;
   ordered_ = !gloo_;
+  try {
+    group_timeout_ = group_->getDefaultBackend()->getBackendOptions()->timeout;
+  } catch (const std::exception&) {
+    // A backend that keeps no options: polls are bounded by step_timeout only.
+  }
   if (const char* env = std::getenv("GPIPE_HANDOFFS"); env != nullptr && *env != '\0') {
     const std::string mode = env;
     GPIPE_CHECK_VALUE(mode == "ordered" || mode == "tagged", "GPIPE_HANDOFFS is '", mode,
@@ -197,17 +203,11 @@ ProcessGroupTransport::~ProcessGroupTransport() {
   // `fail` buried what was. Anything left here comes from an exception
   // between begin and finish/fail: drop it the same careful way.
   std::lock_guard<std::mutex> hold(mutex_);
-  for (auto& [k, p] : headers_) {
-    p.work->abort();
-    bury(std::move(p));
-  }
+  for (auto& [k, p] : headers_) drop(std::move(p));
   for (auto& p : sent_works_) bury(std::move(p));
   drop_channels();
   for (auto& [k, ps] : early_) {
-    for (auto& p : ps) {
-      p.work->abort();
-      bury(std::move(p));
-    }
+    for (auto& p : ps) drop(std::move(p));
   }
 }
 
@@ -278,6 +278,39 @@ void ProcessGroupTransport::bury(Pending pending) {
   static std::mutex lock;
   std::lock_guard<std::mutex> hold(lock);
   graveyard->push_back(std::move(pending));
+}
+
+void ProcessGroupTransport::drop(Pending pending) const {
+  // Gloo: the abort ends the op's wait and takes it off the pair's queue.
+  // Anywhere else it may take the communicator down with it (see the top
+  // of transport_c10d.h): the op stays posted, its buffer buried.
+  if (abortable_ && pending.work) pending.work->abort();
+  bury(std::move(pending));
+}
+
+std::chrono::milliseconds ProcessGroupTransport::poll_limit() const {
+  const auto limit = step_timeout();
+  return limit.count() > 0 ? limit : group_timeout_;
+}
+
+const char* ProcessGroupTransport::limit_name() const {
+  return step_timeout().count() > 0 ? "the pipe's step_timeout" : "the process group's timeout";
+}
+
+ProcessGroupTransport::Polled ProcessGroupTransport::poll(c10d::Work& work,
+                                                         bool cancellable) const {
+  const auto limit = poll_limit();
+  const auto started = std::chrono::steady_clock::now();
+  auto pause = std::chrono::microseconds(1);
+  while (!work.isCompleted()) {
+    if (cancellable && cancelled_.load()) return Polled::Cancelled;
+    if (limit.count() > 0 && std::chrono::steady_clock::now() - started >= limit) {
+      return Polled::OutOfTime;
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(200));
+  }
+  return Polled::Done;
 }
 
 void ProcessGroupTransport::keep_sent(std::vector<Pending>& out) {
@@ -427,35 +460,42 @@ bool ProcessGroupTransport::wait(Pending& pending, int from, const std::string& 
   {
     std::lock_guard<std::mutex> hold(mutex_);
     if (cancelled_.load()) {
-      pending.work->abort();
-      bury(std::move(pending));
+      drop(std::move(pending));
       return false;
     }
     waiting_.push_back(pending);
   }
   bool done = false;
+  bool out_of_time = false;
   std::exception_ptr error;
-  const auto limit = step_timeout();
+  const auto limit = abortable_ ? step_timeout() : poll_limit();
   const auto started = std::chrono::steady_clock::now();
-  const auto out_of_time = [&] {
-    return limit.count() > 0 && std::chrono::steady_clock::now() - started >= limit;
-  };
   try {
-    if (on_host && side_) {
-      // On a GPU, c10d's wait only orders the current stream after the
-      // receive: poll for it (a cancel still wakes this) before reading it.
-      auto pause = std::chrono::microseconds(1);
-      while (!cancelled_.load() && !pending.work->isCompleted()) {
-        if (out_of_time()) {
+    // Gloo: wait() blocks until the op is done (a cancel aborts it; a
+    // timeout that runs out throws, and fails the group's other pending
+    // ops: the step fails anyway). Elsewhere (NCCL) wait() does not block
+    // the host, it only orders the current stream after the op: where the
+    // host reads the result, poll until it is done (a cancel ends the
+    // poll), then wait() orders the stream and reports a failed op.
+    if (abortable_) {
+      done = limit.count() > 0 ? pending.work->wait(limit) : pending.work->wait();
+    } else if (!on_host && !device_.is_cpu()) {
+      done = pending.work->wait();
+    } else {
+      switch (poll(*pending.work, /*cancellable=*/true)) {
+        case Polled::Done:
+          // A failed op also completes (NCCL: after its communicator was
+          // aborted); its wait() might not say so.
+          if (auto failed = pending.work->exception()) std::rethrow_exception(failed);
+          done = pending.work->wait();
+          break;
+        case Polled::Cancelled:
+          break;
+        case Polled::OutOfTime:
+          out_of_time = true;
           throw c10::Error("still not received", /*backtrace=*/nullptr);
-        }
-        std::this_thread::sleep_for(pause);
-        pause = std::min(pause * 2, std::chrono::microseconds(200));
       }
     }
-    // A wait with a timeout that runs out throws (and, on Gloo, fails the
-    // group's other pending operations: the step fails anyway).
-    done = limit.count() > 0 ? pending.work->wait(limit) : pending.work->wait();
   } catch (...) {
     error = std::current_exception();
   }
@@ -473,9 +513,12 @@ bool ProcessGroupTransport::wait(Pending& pending, int from, const std::string& 
     } catch (...) {
       message = "unknown error";
     }
-    if (out_of_time()) {
-      fail_between_ranks("gpipe: rank ", rank_, " waited ", limit.count() / 1000.0,
-                         " s (the pipe's step_timeout) for ", what, ", from rank ", from,
+    // Gloo's wait says only that it timed out: so did the step when the
+    // step_timeout has passed.
+    if (out_of_time || (abortable_ && limit.count() > 0 &&
+                        std::chrono::steady_clock::now() - started >= limit)) {
+      fail_between_ranks("gpipe: rank ", rank_, " waited ", limit.count() / 1000.0, " s (",
+                         limit_name(), ") for ", what, ", from rank ", from,
                          "; rank ", from, " is stuck (a layer that does not return, a step it "
                          "did not start) or dead (", message, ")");
     }
@@ -599,7 +642,10 @@ std::optional<Payload> ProcessGroupTransport::receive(const Address& at) {
 void ProcessGroupTransport::cancel() {
   std::lock_guard<std::mutex> hold(mutex_);
   cancelled_.store(true);
-  for (auto& p : waiting_) p.work->abort();
+  // Gloo: the abort wakes the wait. Elsewhere the waits poll cancelled_.
+  if (abortable_) {
+    for (auto& p : waiting_) p.work->abort();
+  }
   if (local_) local_->cancel();
 }
 
@@ -707,8 +753,16 @@ void ProcessGroupTransport::finish() {
   while (!send_error_ && !sent_works_.empty()) {
     c10::intrusive_ptr<c10d::Work> work = sent_works_.front().work;
     hold.unlock();
+    // NCCL's wait would not block: poll until the GPU is past the send.
+    if (!abortable_ && poll(*work, /*cancellable=*/false) == Polled::OutOfTime) {
+      fail_between_ranks("gpipe: rank ", rank_, " waited ", poll_limit().count() / 1000.0, " s (",
+                         limit_name(), ") for the ranks it sent to to take its last hand-offs; "
+                         "one of them is stuck or dead");
+    }
     try {
-      if (limit.count() > 0) {
+      // (Polled: returns at once, throwing if the send failed.)
+      if (auto failed = work->exception()) std::rethrow_exception(failed);
+      if (abortable_ && limit.count() > 0) {
         work->wait(limit);
       } else {
         work->wait();
@@ -761,16 +815,10 @@ void ProcessGroupTransport::fail(const std::string& what) {
     }
   }
   std::lock_guard<std::mutex> hold(mutex_);
-  for (auto& [k, p] : headers_) {
-    p.work->abort();
-    bury(std::move(p));
-  }
+  for (auto& [k, p] : headers_) drop(std::move(p));
   headers_.clear();
   for (auto& [k, ps] : early_) {
-    for (auto& p : ps) {
-      p.work->abort();
-      bury(std::move(p));
-    }
+    for (auto& p : ps) drop(std::move(p));
   }
   early_.clear();
   drop_channels();

@@ -84,6 +84,27 @@
 // state is undefined (unmatched messages may remain): the step's owner
 // refuses further steps.
 //
+// Waits and aborts, by backend. Gloo's works block a wait and say they are
+// done only to one; an abort ends that one op (its wait returns false). So
+// on Gloo a receive blocks in wait() and `cancel` aborts it. NCCL's works
+// are the other way round: wait() only orders the current stream after the
+// op (the host does not block), isCompleted() says when the GPU is done,
+// and abort() is ncclCommAbort: it tears the whole communicator down, and
+// torch's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING, default 3) then ends
+// the process, maybe before this rank's failure headers reach its peers,
+// which would wait out the group's timeout. So on every backend but Gloo
+// (`abortable_` false) nothing is ever aborted: the host polls
+// isCompleted() (a cancel and step_timeout end the poll), an op left
+// unwaited is buried with its buffer (a late message may still land in
+// it), and `finish` polls the sends the same way. The bound: step_timeout,
+// or when that is zero the group's own timeout, which NCCL's watchdog
+// enforces too (and may act on first, ending the process: set step_timeout
+// below it to get gpipe's error naming the rank instead). After a failed
+// step over NCCL, receives that nobody will match may stay posted on the
+// pair communicators: destroy the process group
+// (torch.distributed.destroy_process_group()) or end the process before
+// using it again.
+//
 // Files: transport_c10d.cpp (what both modes share), transport_tagged.cpp,
 // transport_ordered.cpp, and transport_wire.h (the header's layout, theirs
 // alone).
@@ -172,8 +193,8 @@ class ProcessGroupTransport final : public Transport {
   void cancel() override;
   bool cancelled() const override { return cancelled_.load(); }
   /// Ends a step that ran through: waits until every peer took what this
-  /// rank sent (the group's timeout bounds it); throws, naming this rank,
-  /// if a send failed.
+  /// rank sent (step_timeout bounds it, else the group's timeout); throws,
+  /// naming this rank, if a send failed or the time ran out.
   void finish();
   /// A receive (or a wait for a send to be taken) that is still waiting
   /// after `timeout` fails the step, naming what it waited for, the rank
@@ -224,6 +245,20 @@ class ProcessGroupTransport final : public Transport {
   std::string describe_address(const Address& a) const;
   /// Keeps `pending` alive for the life of the process (see fail()).
   static void bury(Pending pending);
+  /// Ends `pending` unwaited: aborts it where an abort ends only that op
+  /// (Gloo), never elsewhere (NCCL's tears the communicator down), then
+  /// buries it.
+  void drop(Pending pending) const;
+  /// How long a host poll may wait (backends that do not block on wait):
+  /// step_timeout, else the group's timeout; zero: unbounded.
+  std::chrono::milliseconds poll_limit() const;
+  /// What bounds a wait, for errors: "the pipe's step_timeout", or the group's.
+  const char* limit_name() const;
+  enum class Polled { Done, Cancelled, OutOfTime };
+  /// Polls `work` until it completed, the step is cancelled (when
+  /// `cancellable`) or poll_limit() ran out. Only where !abortable_: Gloo's
+  /// isCompleted() stays false until a wait, so this would never end there.
+  Polled poll(c10d::Work& work, bool cancellable) const;
   /// Queues `out`'s sends in sent_works_ (under mutex_), after reap().
   void keep_sent(std::vector<Pending>& out);
   /// Without a reaper: drops the sends that completed successfully (under mutex_).
@@ -298,6 +333,10 @@ class ProcessGroupTransport final : public Transport {
   std::vector<int64_t> placement_;  // stage -> rank; empty: s mod size_
   c10::Device device_;
   bool gloo_;
+  // The group's own timeout (zero where its backend does not say).
+  std::chrono::milliseconds group_timeout_{0};
+  // Whether Work::abort ends one op's wait only (Gloo); see the top of this file.
+  bool abortable_ = false;
   bool ordered_ = false;
   bool connected_ = false;
   // Where this rank waits for receives on an accelerator (ordered mode).
@@ -308,7 +347,7 @@ class ProcessGroupTransport final : public Transport {
 
   std::mutex mutex_;
   std::map<Key, Pending> headers_;   // posted header receives not yet taken
-  std::vector<Pending> waiting_;     // receives being waited on (cancel aborts them)
+  std::vector<Pending> waiting_;     // receives being waited on (cancel aborts them on Gloo)
   std::deque<Pending> sent_works_;   // sends not yet known to be taken, in order
   std::atomic<int64_t> step_timeout_ms_{0};  // 0: the group's timeout
   // The reaper (Gloo; see the top of this file): the send it waits for, how

@@ -23,14 +23,8 @@ void ProcessGroupTransport::drop_channels() {
   // Under mutex_: receives posted for messages that will not come (or
   // come late) are buried, not freed.
   for (auto& [from, channel] : channels_) {
-    if (channel.header) {
-      channel.header->work->abort();
-      bury(std::move(*channel.header));
-    }
-    for (auto& p : channel.predicted) {
-      p.work->abort();
-      bury(std::move(p));
-    }
+    if (channel.header) drop(std::move(*channel.header));
+    for (auto& p : channel.predicted) drop(std::move(p));
   }
   channels_.clear();
   inbox_.clear();
@@ -166,7 +160,7 @@ bool ProcessGroupTransport::read_next(int from, Channel& channel, const std::str
   channel.header.reset();
   std::vector<Pending> predicted = std::move(channel.predicted);
   channel.predicted.clear();
-  auto unused = unwaited(predicted, [](Pending p) { bury(std::move(p)); });
+  auto unused = unwaited(predicted, [this](Pending p) { drop(std::move(p)); });
   if (!wait(head, from, what, /*on_host=*/true)) return false;
   at::Tensor wire = head.tensors[0].device().is_cpu() ? head.tensors[0] : head.tensors[0].cpu();
   const auto* w = wire.const_data_ptr<int64_t>();
@@ -205,7 +199,7 @@ bool ProcessGroupTransport::read_next(int from, Channel& channel, const std::str
     // tensors follow.
     values = post_values(group, meta, from, 0);
   }
-  auto pending = unwaited(values, [](Pending p) { bury(std::move(p)); });
+  auto pending = unwaited(values, [this](Pending p) { drop(std::move(p)); });
   {
     std::lock_guard<std::mutex> hold(mutex_);
     received_order_meta_[{from, k}] = meta;

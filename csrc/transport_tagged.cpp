@@ -109,7 +109,7 @@ std::optional<Payload> ProcessGroupTransport::tagged_receive(const Address& at, 
   if (!early) {
     values = receive_values(meta, from, tag(at, kExpectedPart), what);
   } else {
-    auto rest = unwaited(*early, [](Pending p) { bury(std::move(p)); });
+    auto rest = unwaited(*early, [this](Pending p) { drop(std::move(p)); });
     std::vector<at::Tensor> got;
     for (auto& p : *early) {
       at::Tensor t = p.tensors[0];
@@ -144,7 +144,7 @@ std::optional<Payload> ProcessGroupTransport::tagged_receive(const Address& at, 
 std::optional<std::vector<at::Tensor>> ProcessGroupTransport::receive_values(
     const BatchMeta& meta, int from, int tag, const std::string& what) {
   std::vector<Pending> posted = post_values(*group_, meta, from, tag);
-  auto rest = unwaited(posted, [](Pending p) { bury(std::move(p)); });
+  auto rest = unwaited(posted, [this](Pending p) { drop(std::move(p)); });
   std::vector<at::Tensor> out;
   for (auto& p : posted) {
     at::Tensor t = p.tensors[0];

@@ -57,15 +57,14 @@ template <typename... Args>
 }
 
 // Receives given up on (a cancel, a lost peer) may still be matched by a
-// late message: on the way out, `bury` gets whatever was not waited for
-// (a waited one has its work reset).
-template <typename Pendings, typename Bury>
-auto unwaited(Pendings& pending, Bury bury) {
-  return c10::make_scope_exit([&pending, bury] {
+// late message: on the way out, `drop` (which aborts where that is safe,
+// then buries) gets whatever was not waited for (a waited one has its work
+// reset).
+template <typename Pendings, typename Drop>
+auto unwaited(Pendings& pending, Drop drop) {
+  return c10::make_scope_exit([&pending, drop] {
     for (auto& p : pending) {
-      if (!p.work) continue;
-      p.work->abort();
-      bury(std::move(p));
+      if (p.work) drop(std::move(p));
     }
   });
 }

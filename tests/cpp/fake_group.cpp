@@ -43,11 +43,12 @@ std::exception_ptr error(const Args&... args) {
 class FakeWork : public c10d::Work {
  public:
   FakeWork(int rank, c10d::OpType type, std::string what, std::weak_ptr<World> world,
-           std::chrono::milliseconds timeout)
+           std::chrono::milliseconds timeout, bool like_nccl)
       : c10d::Work(rank, type),
         what_(std::move(what)),
         world_(std::move(world)),
-        timeout_(timeout) {}
+        timeout_(timeout),
+        like_nccl_(like_nccl) {}
 
   bool isCompleted() override {
     std::lock_guard<std::mutex> hold(lock_);
@@ -95,6 +96,7 @@ class FakeWork : public c10d::Work {
   const std::string what_;
   const std::weak_ptr<World> world_;
   const std::chrono::milliseconds timeout_;
+  const bool like_nccl_;
 };
 
 // A send (its data: a copy under ByTag) or a recv (its buffer).
@@ -107,11 +109,13 @@ struct Op {
 
 class World : public std::enable_shared_from_this<World> {
  public:
-  World(int ranks, FakeMatching matching, std::chrono::milliseconds timeout, std::string name)
+  World(int ranks, FakeMatching matching, std::chrono::milliseconds timeout, std::string name,
+        bool like_nccl)
       : ranks_(ranks),
         matching_(matching),
         timeout_(timeout),
         name_(std::move(name)),
+        like_nccl_(like_nccl),
         next_collective_(static_cast<size_t>(ranks), 0) {}
 
   const std::string& name() const noexcept { return name_; }
@@ -124,6 +128,10 @@ class World : public std::enable_shared_from_this<World> {
           true, tensor, tag};
     auto work = op.work;
     std::lock_guard<std::mutex> hold(mutex_);
+    if (torn_down_) {
+      work->complete(torn_down_);
+      return work;
+    }
     if (matching_ == FakeMatching::ByTag) {
       // Buffered: the caller may reuse its tensor at once.
       op.tensor = tensor.detach().clone();
@@ -151,6 +159,10 @@ class World : public std::enable_shared_from_this<World> {
           false, tensor, tag};
     auto work = op.work;
     std::lock_guard<std::mutex> hold(mutex_);
+    if (torn_down_) {
+      work->complete(torn_down_);
+      return work;
+    }
     if (matching_ == FakeMatching::ByTag) {
       auto& sent = sends_[{from, self, tag}];
       if (sent.empty()) {
@@ -215,8 +227,34 @@ class World : public std::enable_shared_from_this<World> {
   }
 
   // Takes `work` off whatever queue holds it; a completed op stays done.
+  // With like_nccl (NCCL's abort: ncclCommAbort), fails every op of
+  // the world instead, pending and later.
   void abort(FakeWork* work) {
     std::lock_guard<std::mutex> hold(mutex_);
+    if (like_nccl_) {
+      if (!torn_down_) {
+        torn_down_ = error("fake process group (", name_, "): ", work->what(),
+                           " was aborted, which tears the communicator down as NCCL's abort "
+                           "does: every op of every rank fails");
+      }
+      auto fail_all = [&](auto& queues) {
+        for (auto& [key, queue] : queues) {
+          for (auto& op : queue) op.work->complete(torn_down_);
+        }
+        queues.clear();
+      };
+      fail_all(sends_);
+      fail_all(recvs_);
+      fail_all(queues_);
+      for (auto& [seq, c] : collectives_) {
+        for (auto& w : c.works) {
+          if (w) w->complete(torn_down_);
+        }
+      }
+      collectives_.clear();
+      work->complete(torn_down_);
+      return;
+    }
     auto take = [&](auto& queues) {
       for (auto& [key, queue] : queues) {
         for (auto it = queue.begin(); it != queue.end(); ++it) {
@@ -270,7 +308,8 @@ class World : public std::enable_shared_from_this<World> {
   };
 
   c10::intrusive_ptr<FakeWork> make_work(int rank, c10d::OpType type, std::string what) {
-    return c10::make_intrusive<FakeWork>(rank, type, std::move(what), weak_from_this(), timeout_);
+    return c10::make_intrusive<FakeWork>(rank, type, std::move(what), weak_from_this(), timeout_,
+                                         like_nccl_);
   }
 
   void check_peer(int self, int peer, const char* op) const {
@@ -332,6 +371,8 @@ class World : public std::enable_shared_from_this<World> {
   const FakeMatching matching_;
   const std::chrono::milliseconds timeout_;
   const std::string name_;
+  const bool like_nccl_;
+  std::exception_ptr torn_down_;  // set by the first abort under like_nccl_
   std::mutex mutex_;
   // ByTag: unmatched sends and receives per (source, destination, tag).
   std::map<std::tuple<int, int, int>, std::deque<Op>> sends_;
@@ -346,6 +387,10 @@ bool FakeWork::wait(std::chrono::milliseconds timeout) {
   const auto limit = timeout == ::kNoTimeout ? timeout_ : timeout;
   {
     std::unique_lock<std::mutex> hold(lock_);
+    if (like_nccl_ && (opType_ == c10d::OpType::SEND || opType_ == c10d::OpType::RECV)) {
+      if (state_ == State::Failed) std::rethrow_exception(error_);
+      return state_ != State::Aborted;
+    }
     if (done_.wait_for(hold, limit, [&] { return state_ != State::Pending; })) {
       if (state_ == State::Aborted) return false;
       if (state_ == State::Failed) std::rethrow_exception(error_);
@@ -374,6 +419,10 @@ class FakeBackend final : public c10d::Backend {
       : c10d::Backend(rank, size), world_(std::move(world)) {}
 
   const std::string getBackendName() const override { return world_->name(); }
+  // The group's timeout, as Gloo's and NCCL's options carry it.
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    return c10::make_intrusive<Options>(world_->name(), world_->timeout());
+  }
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
                                       int tag) override {
@@ -428,10 +477,11 @@ class FakeProcessGroup final : public c10d::ProcessGroup {
 }  // namespace
 
 std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> make_fake_groups(
-    int ranks, FakeMatching matching, std::chrono::milliseconds timeout, std::string backend_name) {
+    int ranks, FakeMatching matching, std::chrono::milliseconds timeout, std::string backend_name,
+    bool like_nccl) {
   TORCH_CHECK(ranks >= 1, "make_fake_groups needs at least 1 rank, got ", ranks);
   if (backend_name.empty()) backend_name = matching == FakeMatching::ByTag ? "gloo" : "fake_nccl";
-  auto world = std::make_shared<World>(ranks, matching, timeout, backend_name);
+  auto world = std::make_shared<World>(ranks, matching, timeout, backend_name, like_nccl);
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups;
   for (int r = 0; r < ranks; ++r) {
     groups.push_back(c10::make_intrusive<FakeProcessGroup>(

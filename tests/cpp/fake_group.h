@@ -39,10 +39,20 @@ enum class FakeMatching { ByTag, ByOrder };
 /// tensor, barrier; each Work's wait() throws after `timeout`, naming the
 /// op and the pair. `backend_name` is what getBackendName() says ("gloo"
 /// makes the group's backend type GLOO; anything else CUSTOM).
+/// `like_nccl`: Works behave as ProcessGroupNCCL's do where the host can
+/// tell: a send's or receive's wait() does not block (it returns at once,
+/// throwing only for an op that already failed; on a GPU it would order the
+/// current stream), so only isCompleted() says it is done; and abort()
+/// fails every op of the world, pending and later (ncclCommAbort; torch's
+/// watchdog would then end the process). A collective's wait still blocks:
+/// on a GPU the host reads its result through a device-to-host copy, which
+/// waits for it, and a CPU tensor cannot model that. Without `like_nccl`,
+/// wait() blocks and abort() takes that op off its queue only, as Gloo's
+/// do.
 std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> make_fake_groups(
     int ranks, FakeMatching matching,
     std::chrono::milliseconds timeout = std::chrono::seconds(20),
-    std::string backend_name = "");
+    std::string backend_name = "", bool like_nccl = false);
 // (An empty `backend_name`: "gloo" for ByTag, "fake_nccl" for ByOrder.)
 
 /// Runs `body(rank)` for every rank at once, each on a thread of its own

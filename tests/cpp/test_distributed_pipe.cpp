@@ -134,16 +134,21 @@ std::string describe(const Layout& l, bool skips) {
   return s.str();
 }
 
-// Groups for one run: the pipeline's, and (for NCCL-like matching) a reverse.
+// Groups for one run: the pipeline's, and (for NCCL-like matching) a
+// reverse. `like_nccl`: works as NCCL's (fake_group.h: wait does not
+// block, abort tears the group down).
 struct FakeGroups {
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> pipeline;
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> reverse;  // empty: none
 };
 
-FakeGroups fake_groups(int ranks, FakeMatching matching, std::chrono::milliseconds timeout = 20s) {
+FakeGroups fake_groups(int ranks, FakeMatching matching, std::chrono::milliseconds timeout = 20s,
+                       bool like_nccl = false) {
   FakeGroups g;
-  g.pipeline = make_fake_groups(ranks, matching, timeout);
-  if (matching == FakeMatching::ByOrder) g.reverse = make_fake_groups(ranks, matching, timeout);
+  g.pipeline = make_fake_groups(ranks, matching, timeout, "", like_nccl);
+  if (matching == FakeMatching::ByOrder) {
+    g.reverse = make_fake_groups(ranks, matching, timeout, "", like_nccl);
+  }
   return g;
 }
 
@@ -162,7 +167,7 @@ gpipe::DistributedPipeOptions options_for(const Layout& l, const std::vector<int
 // Every layout, schedule and mode: each rank's grads and the loss equal
 // gpipe::Pipe's train_step and the plain Sequential's loss.backward(); the
 // last rank's eval_step equals the Sequential's forward.
-void check_equal_to_pipe_and_plain(FakeMatching matching) {
+void check_equal_to_pipe_and_plain(FakeMatching matching, bool like_nccl = false) {
   const int64_t chunks = 3;  // 7 rows: micro-batches of 3, 2, 2
   for (bool skips : {false, true}) {
     const auto model = skips ? eight_with_skips() : eight_layers();
@@ -201,7 +206,7 @@ void check_equal_to_pipe_and_plain(FakeMatching matching) {
 
           std::vector<torch::nn::Sequential> copies;
           for (int r = 0; r < ranks; ++r) copies.push_back(copy_of(model));
-          const auto groups = fake_groups(ranks, matching);
+          const auto groups = fake_groups(ranks, matching, 20s, like_nccl);
           std::vector<RankResult> results(static_cast<size_t>(ranks));
           const auto errors = run_ranks(ranks, [&](int rank) {
             gpipe::DistributedPipe dp(copies[static_cast<size_t>(rank)],
@@ -250,7 +255,7 @@ void check_equal_to_pipe_and_plain(FakeMatching matching) {
 
 // A failure on one rank fails the step on every rank, naming that rank,
 // within a deadline well under the groups' timeout (no rank waits it out).
-void check_failure_reaches_every_rank(FakeMatching matching) {
+void check_failure_reaches_every_rank(FakeMatching matching, bool like_nccl = false) {
   const int ranks = 4;
   for (bool in_loss : {true, false}) {
     INFO((in_loss ? "loss_fn throws on the last rank" : "a layer throws on rank 1"));
@@ -269,7 +274,7 @@ void check_failure_reaches_every_rank(FakeMatching matching) {
     const int failing = in_loss ? ranks - 1 : 1;
     std::vector<torch::nn::Sequential> copies;
     for (int r = 0; r < ranks; ++r) copies.push_back(copy_of(layers));
-    const auto groups = fake_groups(ranks, matching, /*timeout=*/8s);
+    const auto groups = fake_groups(ranks, matching, /*timeout=*/8s, like_nccl);
     const Layout layout{ranks, Schedule::OneFOneB, 1, Checkpoint::ExceptLast};
     const auto x = randn64({8, kWidth});
     const auto start = Clock::now();
@@ -691,6 +696,21 @@ TEST_CASE("distributed_pipe: a failing rank fails every rank by order (NCCL-like
   check_failure_reaches_every_rank(FakeMatching::ByOrder);
 }
 
+// With works that behave as NCCL's (a wait that does not block the host, an
+// abort that fails every op of the group): the transport polls, and never
+// aborts, so results and failures are the same as above.
+TEST_CASE("distributed_pipe: by order with NCCL's works (wait does not block, abort tears the "
+          "group down): equal to Pipe and the Sequential, every schedule and mode",
+          "[distributed][ordered]") {
+  check_equal_to_pipe_and_plain(FakeMatching::ByOrder, /*like_nccl=*/true);
+}
+
+TEST_CASE("distributed_pipe: by order with NCCL's works, a failing rank fails every rank, naming "
+          "it, within seconds",
+          "[distributed][ordered]") {
+  check_failure_reaches_every_rank(FakeMatching::ByOrder, /*like_nccl=*/true);
+}
+
 // Why the reverse group: NCCL-like matching runs a pair's sends and
 // receives on one in-order queue, so without it rank 0's early receive of
 // a grad holds up its first activation send, which rank 1 waits for. The
@@ -770,12 +790,10 @@ TEST_CASE("distributed_pipe: with dp_group a frozen parameter keeps no grad on a
   }
 }
 
-TEST_CASE("distributed_pipe: step_timeout fails the ranks waiting on a stuck rank within it, "
-          "naming the action and the rank they wait for; a negative one is refused",
-          "[distributed]") {
+void check_step_timeout(FakeMatching matching, bool like_nccl) {
   const int ranks = 4;
   // The group's own timeout is long: only step_timeout can end the waits early.
-  const auto groups = make_fake_groups(ranks, FakeMatching::ByTag, 20s);
+  const auto groups = fake_groups(ranks, matching, 20s, like_nccl);
   const auto stuck = 3000ms;
   std::vector<torch::nn::Sequential> models;
   for (int r = 0; r < ranks; ++r) {
@@ -795,11 +813,12 @@ TEST_CASE("distributed_pipe: step_timeout fails the ranks waiting on a stuck ran
   const auto y = randn64({4, kWidth});
   std::array<double, ranks> seconds{};
   const auto errors = run_ranks(ranks, [&](int rank) {
-    gpipe::DistributedPipe dp(models[static_cast<size_t>(rank)],
-                              gpipe::DistributedPipeOptions({1, 1, 1, 1})
-                                  .chunks(2)
-                                  .step_timeout(500ms)
-                                  .group(groups[static_cast<size_t>(rank)]));
+    auto options = gpipe::DistributedPipeOptions({1, 1, 1, 1})
+                       .chunks(2)
+                       .step_timeout(500ms)
+                       .group(groups.pipeline[static_cast<size_t>(rank)]);
+    if (!groups.reverse.empty()) options.reverse_group(groups.reverse[static_cast<size_t>(rank)]);
+    gpipe::DistributedPipe dp(models[static_cast<size_t>(rank)], options);
     const auto start = std::chrono::steady_clock::now();
     try {
       dp->train_step(dp->is_first() ? x : torch::Tensor(), dp->is_last() ? y : torch::Tensor(),
@@ -824,10 +843,18 @@ TEST_CASE("distributed_pipe: step_timeout fails the ranks waiting on a stuck ran
   CHECK(seconds[3] < 2.5);
   // The stuck rank itself fails only once its layer returns.
   CHECK(seconds[2] >= 2.9);
+}
 
+TEST_CASE("distributed_pipe: step_timeout fails the ranks waiting on a stuck rank within it, "
+          "naming the action and the rank they wait for; a negative one is refused",
+          "[distributed]") {
+  SECTION("by tag (Gloo-like)") { check_step_timeout(FakeMatching::ByTag, false); }
+  SECTION("by order, NCCL's works") { check_step_timeout(FakeMatching::ByOrder, true); }
+  std::vector<torch::nn::Sequential> models{torch::nn::Sequential(
+      torch::nn::Linear(kWidth, kWidth), torch::nn::Linear(kWidth, kWidth))};
   // Refused before anything is sent (no peer takes part here).
   const auto pair = make_fake_groups(2, FakeMatching::ByTag, 5s);
-  CHECK_THROWS_WITH(gpipe::DistributedPipe(models[0], gpipe::DistributedPipeOptions({2, 2})
+  CHECK_THROWS_WITH(gpipe::DistributedPipe(models[0], gpipe::DistributedPipeOptions({1, 1})
                                                           .step_timeout(-1ms)
                                                           .group(pair[0])),
                     Catch::Contains("step_timeout must not be negative, got -1 ms"));

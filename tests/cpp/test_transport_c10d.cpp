@@ -450,3 +450,115 @@ TEST_CASE("transport_c10d: a send that fails on the sender stops the step at onc
     unsetenv("GPIPE_ASYNC_SENDS");
   }
 }
+
+// ---- NCCL's works: abort tears the communicator down, wait does not block ----
+//
+// The fake's `like_nccl` works (fake_group.h): an abort fails every op of
+// the world, and wait() returns at once. The transport must then never
+// abort (a failure still reaches every rank by its failure headers) and
+// must learn that an op is done from isCompleted(), within step_timeout.
+
+TEST_CASE("transport_c10d: NCCL-like works: a cancel aborts nothing, the cancelled receive just "
+          "ends, and the failure reaches the other rank by name",
+          "[transport][ordered]") {
+  const auto groups = gpipe_test::make_fake_groups(2, FakeMatching::ByOrder,
+                                                   std::chrono::seconds(5), "", true);
+  const auto reverse = gpipe_test::make_fake_groups(2, FakeMatching::ByOrder,
+                                                    std::chrono::seconds(5), "", true);
+  const auto start = Clock::now();
+  std::string cancelled_receive;
+  const auto errors = gpipe_test::run_ranks(2, [&](int rank) {
+    ProcessGroupTransport transport(groups[static_cast<size_t>(rank)],
+                                    reverse[static_cast<size_t>(rank)], /*stages=*/2);
+    transport.set_step_timeout(std::chrono::seconds(4));
+    Handoffs h;
+    if (rank == 0) {
+      // Sends micro-batch 0, then waits for its grads, which never come.
+      h.sends = {{1, Flow::Activation, 0}, {1, Flow::Activation, 1}};
+      h.receives = {{0, Flow::Grad, 0}};
+      transport.begin(2, h);
+      transport.send({1, Flow::Activation, 0}, Payload{Batch(torch::ones({2, 2})), {}});
+      transport.receive({0, Flow::Grad, 0});
+      transport.finish();
+      return;
+    }
+    h.receives = {{1, Flow::Activation, 0}, {1, Flow::Activation, 1}};
+    h.sends = {{0, Flow::Grad, 0}};
+    transport.begin(2, h);
+    TORCH_CHECK(transport.receive({1, Flow::Activation, 0}), "rank 1 got no micro-batch 0");
+    // Another worker of rank 1 fails while this one waits for micro-batch 1.
+    auto waiting = std::async(std::launch::async, [&] {
+      try {
+        return transport.receive({1, Flow::Activation, 1}).has_value() ? std::string("received")
+                                                                       : std::string("cancelled");
+      } catch (const std::exception& e) {
+        return std::string(e.what());
+      }
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    transport.cancel();
+    cancelled_receive = waiting.get();
+    transport.fail("stage 1 failed on purpose");
+    throw std::runtime_error("stage 1 failed on purpose");
+  });
+  CHECK(cancelled_receive == "cancelled");
+  CHECK_THAT(errors[0], Catch::Contains("rank 1 failed") &&
+                            Catch::Contains("stage 1 failed on purpose"));
+  CHECK(errors[1] == "stage 1 failed on purpose");
+  CHECK(Clock::now() - start < std::chrono::seconds(3));
+}
+
+TEST_CASE("transport_c10d: NCCL-like works: finish waits until the peer took the last send, and "
+          "fails naming the step_timeout when it never does",
+          "[transport][ordered]") {
+  for (const bool taken : {true, false}) {
+    INFO((taken ? "rank 1 takes it after 300 ms" : "rank 1 never takes it"));
+    const auto groups = gpipe_test::make_fake_groups(2, FakeMatching::ByOrder,
+                                                     std::chrono::seconds(5), "", true);
+    const auto reverse = gpipe_test::make_fake_groups(2, FakeMatching::ByOrder,
+                                                      std::chrono::seconds(5), "", true);
+    std::atomic<bool> took{false};
+    bool finish_after_take = false;
+    std::chrono::milliseconds finish_took{0};
+    const auto errors = gpipe_test::run_ranks(2, [&](int rank) {
+      ProcessGroupTransport transport(groups[static_cast<size_t>(rank)],
+                                      reverse[static_cast<size_t>(rank)], /*stages=*/2);
+      transport.set_step_timeout(std::chrono::milliseconds(800));
+      if (rank == 0) {
+        transport.begin(1, sends_to_1({0}));
+        transport.send({1, Flow::Activation, 0}, Payload{Batch(torch::ones({2, 2})), {}});
+        const auto entered = Clock::now();
+        try {
+          transport.finish();
+        } catch (...) {
+          finish_took = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() -
+                                                                              entered);
+          transport.fail("finish failed");
+          throw;
+        }
+        finish_took =
+            std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - entered);
+        finish_after_take = took.load();
+        return;
+      }
+      transport.begin(1, taken ? receives_from_0({0}) : Handoffs{});
+      if (!taken) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      took = true;
+      TORCH_CHECK(transport.receive({1, Flow::Activation, 0}), "rank 1 got nothing");
+      transport.finish();
+    });
+    if (taken) {
+      CHECK(errors == std::vector<std::string>(2));
+      CHECK(finish_after_take);
+    } else {
+      CHECK_THAT(errors[0], Catch::Contains("rank 0 waited 0.8 s (the pipe's step_timeout) for "
+                                            "the ranks it sent to"));
+      CHECK(finish_took < std::chrono::milliseconds(1400));
+      CHECK(errors[1].empty());
+    }
+  }
+}

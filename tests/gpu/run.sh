@@ -261,6 +261,8 @@ if ((python_ok)); then
     tests/python/test_cuda.py tests/python/test_ties.py::test_a_weight_tied_between_the_cpu_and_a_gpu \
     tests/python/test_distributed.py::test_stages_on_the_gpu \
     tests/python/test_distributed.py::test_stages_on_several_gpus_over_nccl \
+    tests/python/test_distributed.py::test_failing_rank_over_nccl \
+    tests/python/test_distributed.py::test_pipeline_times_data_parallel_over_nccl \
     "${pytest_args[@]}" -v -s
   step bench required 180 "$python" bench/gpu.py
 else

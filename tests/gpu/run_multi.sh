@@ -11,9 +11,11 @@
 #   * pytest test_cuda.py: the same two from Python;
 #   * test_distributed.py::test_stages_on_several_gpus_over_nccl: NCCL with one
 #     rank per GPU, 2 and 4 ranks (4 needs 4 GPUs), schedules 1f1b,
-#     interleaved_1f1b and zb_h1, loss and grads against the plain model.
-# Not covered yet (docs/gpu.md): a failing or killed rank over NCCL, and
-# pipeline x data parallelism over NCCL.
+#     interleaved_1f1b, zb_h1 and zb_v, loss and grads against the plain model;
+#   * ::test_failing_rank_over_nccl (4 GPUs): a rank whose layer raises, then a
+#     killed rank, over NCCL: every rank's error names it, survivors exit 0;
+#   * ::test_pipeline_times_data_parallel_over_nccl (4 GPUs): 2 pipelines x 2
+#     replicas over NCCL, grads the plain model's.
 set -uo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

@@ -25,6 +25,8 @@ WORLD = 4
 SPAWN_DEADLINE = 150
 # From the failing layer's raise to every rank's error.
 FAILURE_DEADLINE = 10.0
+# test_failing_rank_over_nccl: a killed peer shows at step_timeout over NCCL (seconds).
+NCCL_STEP_TIMEOUT = 5.0
 
 
 def _free_port() -> int:
@@ -138,7 +140,7 @@ def _max_grad_error(pipe, reference: nn.Sequential) -> float:
     worst = 0.0
     for name, p in pipe.named_parameters():
         assert p.grad is not None, f"{name} got no grad"
-        worst = max(worst, (p.grad - ref[name].grad).abs().max().item())
+        worst = max(worst, (p.grad.cpu() - ref[name].grad).abs().max().item())
     return worst
 
 
@@ -302,8 +304,12 @@ def _worker_dp() -> None:
 
     import gpipe.distributed
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    # Gloo on CPU, or NCCL with rank r on GPU r (test_pipeline_times_data_parallel_over_nccl).
+    nccl = os.environ.get("GPIPE_TEST_BACKEND", "gloo") == "nccl"
+    dist.init_process_group("nccl" if nccl else "gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
+    if nccl:
+        torch.cuda.set_device(rank)
     # 2 pipelines (ranks 0-1 and 2-3) of 2 stages; stage replicas 0-2 and 1-3.
     pipes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -315,8 +321,9 @@ def _worker_dp() -> None:
     reference = copy.deepcopy(model)
     pipe = gpipe.distributed.Pipe(model, [2, 2], chunks=3, group=pp, dp_group=dp)
     half = slice(0, 6) if rank < 2 else slice(6, 12)
-    pipe.train_step(x[half] if pipe.is_first else None, target=y[half] if pipe.is_last else None,
-                    loss_fn=nn.functional.mse_loss)
+    on = (lambda t: t.cuda()) if nccl else (lambda t: t)
+    pipe.train_step(on(x[half]) if pipe.is_first else None,
+                    target=on(y[half]) if pipe.is_last else None, loss_fn=nn.functional.mse_loss)
     nn.functional.mse_loss(reference(x), y).backward()
     _report(check="pp_x_dp", grad_error=_max_grad_error(pipe, reference), stages=pipe.stages)
     dist.destroy_process_group()
@@ -393,11 +400,20 @@ def _worker_fail() -> None:
 
     import gpipe.distributed
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    # Gloo on CPU, or NCCL with rank r on GPU r (test_failing_rank_over_nccl). NCCL reports
+    # no closed connection: a killed peer shows at step_timeout. The group's timeout is long,
+    # so NCCL's watchdog does not act on the failed step's leftover receives during the test.
+    nccl = os.environ.get("GPIPE_TEST_BACKEND", "gloo") == "nccl"
+    dist.init_process_group("nccl" if nccl else "gloo",
+                            timeout=timedelta(seconds=300 if nccl else 60))
+    if nccl:
+        torch.cuda.set_device(dist.get_rank())
     model = _mlp(8)
     model[4] = _Raises()
     pipe = gpipe.distributed.Pipe(model, [2, 2, 2, 2], chunks=4, schedule="1f1b")
     x = torch.randn(8, 6, dtype=torch.double)
+    if nccl:
+        x = x.cuda()
     try:
         pipe.train_step(x if pipe.is_first else None, target=x if pipe.is_last else None,
                         loss_fn=nn.functional.mse_loss)
@@ -416,7 +432,8 @@ def _worker_fail() -> None:
     model = _mlp(8)
     model[4] = _Dies()
     pipe = gpipe.distributed.Pipe(model, [2, 2, 2, 2], chunks=4, schedule="1f1b",
-                                  group=dist.new_group())
+                                  group=dist.new_group(),
+                                  step_timeout=NCCL_STEP_TIMEOUT if nccl else None)
     try:
         pipe.train_step(x if pipe.is_first else None, target=x if pipe.is_last else None,
                         loss_fn=nn.functional.mse_loss)
@@ -565,6 +582,47 @@ def test_failing_rank_stops_every_rank(handoffs):
         assert r["error"] is not None and "rank 2" in r["error"], (rank, r)
         assert r["at"] - died["at"] <= FAILURE_DEADLINE, (rank, r, died)
     assert run["codes"][2] == 3 and [run["codes"][r] for r in (0, 1, 3)] == [0] * 3, run["logs"]
+
+
+def test_failing_rank_over_nccl():
+    """tests/gpu/run_multi.sh, 4 GPUs: over NCCL a rank whose layer raises stops every rank
+    naming it, and a killed rank stops the others at step_timeout (NCCL reports no closed
+    connection), the ranks waiting on it naming it. TORCH_NCCL_ASYNC_ERROR_HANDLING=2: should
+    NCCL notice the death, its watchdog aborts the communicators (the waits then fail) instead
+    of ending the process (3, torch's default)."""
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} CUDA devices, found {torch.cuda.device_count()}")
+    run = _spawn("fail", handoffs="ordered", GPIPE_TEST_BACKEND="nccl",
+                 TORCH_NCCL_ASYNC_ERROR_HANDLING="2")
+    raised = _results({"results": {2: run["results"][2]}, "logs": run["logs"]}, "raised")[2]
+    for rank, r in _results(run, "failure").items():
+        assert r["error"] is not None, (rank, run["logs"])
+        assert r["at"] - raised["at"] <= FAILURE_DEADLINE, (rank, r, raised)
+        if rank != 2:
+            assert "rank 2 failed" in r["error"] and "layer 4 refuses" in r["error"], r
+    for rank, r in _results(run, "after").items():
+        assert "a previous step over this process group failed" in r["error"], (rank, r)
+    died = _results({"results": {2: run["results"][2]}, "logs": run["logs"]}, "died")[2]
+    killed = _results({"results": {r: run["results"][r] for r in (0, 1, 3)},
+                       "logs": run["logs"]}, "killed")
+    for rank, r in killed.items():
+        assert r["error"] is not None, (rank, r)
+        # Ranks 1 and 3 wait on rank 2 itself; rank 0 on rank 1, which names rank 2 in turn
+        # (or rank 0's own step_timeout names rank 1 first).
+        assert f"rank {1 if rank == 0 else 2}" in r["error"], (rank, r)
+        assert r["at"] - died["at"] <= NCCL_STEP_TIMEOUT + FAILURE_DEADLINE, (rank, r, died)
+    assert [run["codes"][r] for r in (0, 1, 3)] == [0] * 3, run["logs"]
+
+
+def test_pipeline_times_data_parallel_over_nccl():
+    """tests/gpu/run_multi.sh, 4 GPUs: 2 pipelines x 2 replicas over NCCL, grads the plain
+    model's."""
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} CUDA devices, found {torch.cuda.device_count()}")
+    run = _spawn("dp", handoffs="ordered", GPIPE_TEST_BACKEND="nccl")
+    for rank, r in _results(run, "pp_x_dp").items():
+        assert r["grad_error"] <= 1e-10, (rank, r)
+    assert run["codes"] == [0] * WORLD, run["logs"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
