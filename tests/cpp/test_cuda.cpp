@@ -573,7 +573,7 @@ TEST_CASE("cuda: destroying a Pipe on cuda:0 right after a failure returns promp
 
 // ---- the caller's streams: the helpers one at a time (streams.h) --------------------------------
 
-TEST_CASE("cuda: the stream helpers do nothing on CPU lanes; a CPU copy span is host-timed",
+TEST_CASE("cuda: the stream helpers do nothing on CPU lanes, a CPU copy span is host-timed",
           "[cuda]") {
   // Runs everywhere. The CPU guard's event calls throw: any event these
   // touched on a CPU lane would fail the case.

@@ -846,7 +846,7 @@ void check_step_timeout(FakeMatching matching, bool like_nccl) {
 }
 
 TEST_CASE("distributed_pipe: step_timeout fails the ranks waiting on a stuck rank within it, "
-          "naming the action and the rank they wait for; a negative one is refused",
+          "naming the action and the rank they wait for, a negative one is refused",
           "[distributed]") {
   SECTION("by tag (Gloo-like)") { check_step_timeout(FakeMatching::ByTag, false); }
   SECTION("by order, NCCL's works") { check_step_timeout(FakeMatching::ByOrder, true); }

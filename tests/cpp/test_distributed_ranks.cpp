@@ -301,7 +301,7 @@ TEST_CASE("distributed_pipe: a target cut unlike the input is refused on every r
   }
 }
 
-TEST_CASE("ties: replaced replicas are what later steps sum (FSDP2's unsharded copies); a "
+TEST_CASE("ties: replaced replicas are what later steps sum (FSDP2's unsharded copies), a "
           "wrong count or size is refused", "[distributed]") {
   const auto groups = make_fake_groups(2, FakeMatching::ByTag, 10s);
   std::array<torch::Tensor, 2> sums;

@@ -26,7 +26,7 @@ std::string outcome(const c10::intrusive_ptr<c10d::Work>& work) {
 
 }  // namespace
 
-TEST_CASE("fake_group: by tag, a recv takes the oldest send of its tag; sends complete at once",
+TEST_CASE("fake_group: by tag, a recv takes the oldest send of its tag, sends complete at once",
           "[fake]") {
   auto groups = make_fake_groups(2, FakeMatching::ByTag);
   CHECK(groups[0]->getBackendName() == "gloo");

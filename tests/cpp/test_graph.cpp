@@ -116,7 +116,7 @@ TEST_CASE("a cut names the non-CPU devices its nodes take grads on (the deadlock
   }
 }
 
-TEST_CASE("small grads share a capture node per device, up to a node's bytes; larger ones get their own") {
+TEST_CASE("small grads share a capture node per device, up to a node's bytes, larger ones get their own") {
   using gpipe::detail::kShareBytes;
   using gpipe::detail::kShareNodeBytes;
   auto leaf = torch::randn({2, 8}, torch::requires_grad());

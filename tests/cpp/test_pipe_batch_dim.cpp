@@ -106,7 +106,7 @@ TEST_CASE("batch_dim: cutting a sequence-first batch along dim 0 is what goes wr
   CHECK(max_abs_diff(pipe->forward(x), ref->forward(x)) > 1e-3);
 }
 
-TEST_CASE("batch_dim: a value that is not cut reaches every micro-batch; its grad is summed",
+TEST_CASE("batch_dim: a value that is not cut reaches every micro-batch, its grad is summed",
           "[batch_dim]") {
   torch::manual_seed(4);
   torch::nn::Sequential model(Lookup(), torch::nn::Linear(3, 2));

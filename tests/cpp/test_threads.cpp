@@ -127,7 +127,7 @@ TEST_CASE("threads: the automatic split gives each CPU stage its share, at least
   CHECK(intra_op_split({c10::Device(c10::kCUDA, 0)}, 0, 4) == std::vector<int>{0});
 }
 
-TEST_CASE("threads: a positive count is given to every CPU stage; -1 sets nothing", "[threads]") {
+TEST_CASE("threads: a positive count is given to every CPU stage, -1 sets nothing", "[threads]") {
   CHECK(intra_op_split(cpus(3), 2, 8) == std::vector<int>{2, 2, 2});
   const std::vector<c10::Device> mixed{torch::kCPU, c10::Device(c10::kCUDA, 0)};
   CHECK(intra_op_split(mixed, 3, 1) == std::vector<int>{3, 0});
@@ -163,7 +163,7 @@ TEST_CASE("threads: by default the CPU stages' workers split the caller's thread
   CHECK(new_thread_count() == 4);
 }
 
-TEST_CASE("threads: intra_op_threads overrides the split; -1 leaves torch's count", "[threads]") {
+TEST_CASE("threads: intra_op_threads overrides the split, -1 leaves torch's count", "[threads]") {
   CallerThreads caller(4);
   {
     auto p = probed_model(2);
