@@ -21,7 +21,11 @@
 // rank to ask. When the header says the shapes changed, the sender has sent
 // filler of the old shapes on tag 1 (which the early receives take and
 // drop) and the real tensors on tag(address, 2), which the receiver then
-// asks for.
+// asks for. A batch small enough travels inside its header (kind kInline:
+// [meta length, meta, the values' bytes]), one message instead of two;
+// where last step's batch was inline the receiver posts no early tensor
+// receives, and where it was not but this one is, the sender sends filler
+// for them (transport_tagged.cpp).
 //
 // Ordered (NCCL, and any backend but Gloo; GPIPE_HANDOFFS=ordered|tagged
 // overrides). NCCL ignores tags: a pair's messages match in the order they

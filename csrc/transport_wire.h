@@ -28,6 +28,9 @@ inline constexpr int64_t kWireInts = 64;
 inline constexpr int64_t kWireBody = kWireInts - 2;
 inline constexpr int64_t kBatch = 0;
 inline constexpr int64_t kFailure = 1;
+// Tagged mode: a batch whose values travel inside the header, after its
+// metadata ([meta length, meta ..., the values' bytes]; see transport_tagged.cpp).
+inline constexpr int64_t kInline = 2;
 // Tag parts: the header, the tensors as the receiver expects them, the
 // tensors after a change of shapes.
 inline constexpr int kHeaderPart = 0;

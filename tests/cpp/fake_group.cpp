@@ -120,8 +120,18 @@ class World : public std::enable_shared_from_this<World> {
 
   const std::string& name() const noexcept { return name_; }
 
+  int64_t sends_posted(int rank) {
+    std::lock_guard<std::mutex> hold(mutex_);
+    auto it = sends_posted_.find(rank);
+    return it == sends_posted_.end() ? 0 : it->second;
+  }
+
   c10::intrusive_ptr<c10d::Work> send(int from, int to, int tag, const at::Tensor& tensor) {
     check_peer(from, to, "send to");
+    {
+      std::lock_guard<std::mutex> hold(mutex_);
+      ++sends_posted_[from];
+    }
     Op op{make_work(from, c10d::OpType::SEND,
                     c10::str("rank ", from, "'s send to rank ", to, " (tag ", tag, ", ",
                              shape_of(tensor), ")")),
@@ -381,6 +391,7 @@ class World : public std::enable_shared_from_this<World> {
   std::map<std::pair<int, int>, std::deque<Op>> queues_;
   std::map<int64_t, Collective> collectives_;
   std::vector<int64_t> next_collective_;
+  std::map<int, int64_t> sends_posted_;  // per rank, every send ever posted
 };
 
 bool FakeWork::wait(std::chrono::milliseconds timeout) {
@@ -419,6 +430,8 @@ class FakeBackend final : public c10d::Backend {
       : c10d::Backend(rank, size), world_(std::move(world)) {}
 
   const std::string getBackendName() const override { return world_->name(); }
+  int64_t sends_posted() { return world_->sends_posted(getRank()); }
+
   // The group's timeout, as Gloo's and NCCL's options carry it.
   c10::intrusive_ptr<Options> getBackendOptions() override {
     return c10::make_intrusive<Options>(world_->name(), world_->timeout());
@@ -475,6 +488,12 @@ class FakeProcessGroup final : public c10d::ProcessGroup {
 };
 
 }  // namespace
+
+int64_t sends_posted(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  auto* backend = dynamic_cast<FakeBackend*>(group->getDefaultBackend().get());
+  TORCH_CHECK(backend != nullptr, "sends_posted: not a fake process group");
+  return backend->sends_posted();
+}
 
 std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> make_fake_groups(
     int ranks, FakeMatching matching, std::chrono::milliseconds timeout, std::string backend_name,

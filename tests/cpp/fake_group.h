@@ -55,6 +55,10 @@ std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> make_fake_groups(
     std::string backend_name = "", bool like_nccl = false);
 // (An empty `backend_name`: "gloo" for ByTag, "fake_nccl" for ByOrder.)
 
+/// How many sends `group`'s rank has posted so far (every message: a
+/// transport's header, tensors, filler), for tests of the wire protocol.
+int64_t sends_posted(const c10::intrusive_ptr<c10d::ProcessGroup>& group);
+
 /// Runs `body(rank)` for every rank at once, each on a thread of its own
 /// (the ranks of a step wait on each other), joins them all, and returns
 /// each rank's error message ("" where `body` returned). Catch's CHECKs are

@@ -98,10 +98,16 @@ using gpipe::detail::Batch;
 using gpipe::detail::Payload;
 using gpipe::detail::ProcessGroupTransport;
 
+// Rows per step of round_trips: small batches (48 and 96 bytes: inside the
+// header under the tagged mode) and large ones (7200 bytes), shapes that
+// change and stay, crossing the inline threshold each way: the early
+// receives of last step's shapes, then filler and the changed tensors,
+// then early receives again; inline after inline, after large, and large
+// after inline.
+const std::vector<int64_t> kRoundTripRows{2, 4, 4, 300, 300, 2, 300, 2, 2};
+
 // Two ranks, one stage each, two micro-batches: rank 0 hands activations
-// to rank 1, rank 1 hands grads back, for three steps whose shapes change
-// (rows) on step 2 and stay on step 3 (the early receives of last step's
-// shapes, then filler and the changed tensors, then early receives again).
+// to rank 1, rank 1 hands grads back, for a step per kRoundTripRows entry.
 // Returns each rank's error ("" where it ran through); what arrived is
 // checked against what was sent into `mismatches`.
 std::vector<std::string> round_trips(gpipe_test::FakeMatching matching, bool reverse_group,
@@ -119,8 +125,8 @@ std::vector<std::string> round_trips(gpipe_test::FakeMatching matching, bool rev
   auto errors = gpipe_test::run_ranks(2, [&](int rank) {
     ProcessGroupTransport transport(groups[static_cast<size_t>(rank)],
                                     reverse[static_cast<size_t>(rank)], /*stages=*/2);
-    for (int64_t step = 1; step <= 3; ++step) {
-      const int64_t rows = step == 1 ? 2 : 4;
+    for (int64_t step = 1; step <= static_cast<int64_t>(kRoundTripRows.size()); ++step) {
+      const int64_t rows = kRoundTripRows[static_cast<size_t>(step - 1)];
       transport.begin(2, plan_handoffs(plan, rank));
       for (int64_t i = 0; i < 2; ++i) {
         if (rank == 0) {
@@ -560,5 +566,56 @@ TEST_CASE("transport_c10d: NCCL-like works: finish waits until the peer took the
       CHECK(finish_took < std::chrono::milliseconds(1400));
       CHECK(errors[1].empty());
     }
+  }
+}
+
+TEST_CASE("transport_c10d: by tag (Gloo-like), a small hand-off is one message (its values "
+          "inside the header), a large one a header and its tensors, and batches crossing the "
+          "threshold arrive intact",
+          "[transport]") {
+  const auto groups = gpipe_test::make_fake_groups(2, FakeMatching::ByTag);
+  // Per step: the rows of the float64 value (3 columns) of 3 hand-offs of
+  // (that, an undefined value, 5 int32s), and the messages rank 0 sends.
+  const std::vector<std::pair<int64_t, int64_t>> steps{
+      {2, 3},    // 68 bytes: inline, 1 message each
+      {4, 3},    // inline again, other shapes
+      {300, 9},  // large after inline: nothing expected early; the header and 2 tensors
+      {300, 9},  // large again: the header and the 2 tensors posted early
+      {2, 9},    // inline after large: the header and filler for the 2 early receives
+      {2, 3},    // inline
+      {0, 3}};   // no rows: inline too
+  std::vector<int64_t> sent(steps.size(), 0);
+  std::vector<std::string> wrong;
+  const auto errors = gpipe_test::run_ranks(2, [&](int rank) {
+    ProcessGroupTransport transport(groups[static_cast<size_t>(rank)], nullptr, /*stages=*/2);
+    for (size_t s = 0; s < steps.size(); ++s) {
+      const int64_t before = gpipe_test::sends_posted(groups[0]);
+      transport.begin(3, rank == 0 ? sends_to_1({0, 1, 2}) : receives_from_0({0, 1, 2}));
+      for (int64_t i = 0; i < 3; ++i) {
+        Batch batch({torch::full({steps[s].first, 3}, static_cast<double>(s) * 10.0 + i,
+                                 torch::kFloat64),
+                     torch::Tensor(), torch::arange(5, torch::kInt32) + i},
+                    /*is_atomic=*/false);
+        batch[0].requires_grad_(i == 1);
+        if (rank == 0) {
+          transport.send({1, Flow::Activation, i}, Payload{batch, {}});
+          continue;
+        }
+        auto got = transport.receive({1, Flow::Activation, i});
+        if (!got || got->batch.size() != 3 || got->batch.atomic ||
+            !got->batch[0].equal(batch[0]) || got->batch[1].defined() ||
+            !got->batch[2].equal(batch[2]) || got->batch[0].requires_grad() != (i == 1)) {
+          wrong.push_back("step " + std::to_string(s) + ", micro-batch " + std::to_string(i));
+        }
+      }
+      transport.finish();
+      if (rank == 0) sent[s] = gpipe_test::sends_posted(groups[0]) - before;
+    }
+  });
+  CHECK(errors == std::vector<std::string>(2));
+  CHECK(wrong.empty());
+  for (size_t s = 0; s < steps.size(); ++s) {
+    INFO("step " << s << ", " << steps[s].first << " rows");
+    CHECK(sent[s] == steps[s].second);
   }
 }
