@@ -740,14 +740,17 @@ void ProcessGroupTransport::finish() {
   std::unique_lock<std::mutex> hold(mutex_);
   const auto limit = step_timeout();
   const auto taken = [&] { return sent_works_.empty() || send_error_; };
+  const auto not_taken = [&](std::chrono::milliseconds waited) {
+    fail_between_ranks("gpipe: rank ", rank_, " waited ", waited.count() / 1000.0, " s (",
+                       limit_name(), ") for the ranks it sent to to take its last hand-offs; "
+                       "one of them is stuck or dead");
+  };
   if (reaper_.joinable()) {
     if (limit.count() == 0) {
       sends_changed_.wait(hold, taken);
     } else if (!sends_changed_.wait_for(hold, limit, taken)) {
       hold.unlock();
-      fail_between_ranks("gpipe: rank ", rank_, " waited ", limit.count() / 1000.0,
-                         " s (the pipe's step_timeout) for the ranks it sent to to take its "
-                         "last hand-offs; one of them is stuck or dead");
+      not_taken(limit);
     }
   }
   while (!send_error_ && !sent_works_.empty()) {
@@ -755,9 +758,7 @@ void ProcessGroupTransport::finish() {
     hold.unlock();
     // NCCL's wait would not block: poll until the GPU is past the send.
     if (!abortable_ && poll(*work, /*cancellable=*/false) == Polled::OutOfTime) {
-      fail_between_ranks("gpipe: rank ", rank_, " waited ", poll_limit().count() / 1000.0, " s (",
-                         limit_name(), ") for the ranks it sent to to take its last hand-offs; "
-                         "one of them is stuck or dead");
+      not_taken(poll_limit());
     }
     try {
       // (Polled: returns at once, throwing if the send failed.)

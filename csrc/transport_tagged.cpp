@@ -44,9 +44,11 @@ size_t inline_ints(const BatchMeta& meta, size_t encoded) {
   return 1 + encoded + static_cast<size_t>((bytes + 7) / 8);
 }
 
-bool fits_inline(const BatchMeta& meta) {
-  return static_cast<int64_t>(inline_ints(meta, encode(meta).size())) <= kWireBody;
+// `encoded`: the size of encode(meta).
+bool fits_inline(const BatchMeta& meta, size_t encoded) {
+  return static_cast<int64_t>(inline_ints(meta, encoded)) <= kWireBody;
 }
+bool fits_inline(const BatchMeta& meta) { return fits_inline(meta, encode(meta).size()); }
 
 }  // namespace
 
@@ -81,7 +83,7 @@ void ProcessGroupTransport::tagged_send(const Address& to, int dst, Batch batch)
   batch = wire_values(std::move(batch));
   std::vector<int64_t> ints = encode(meta);
   // Over Gloo the values are on the host here (wire_values).
-  const bool inline_now = gloo_ && fits_inline(meta);
+  const bool inline_now = gloo_ && fits_inline(meta, ints.size());
   if (inline_now) {
     const size_t encoded = ints.size();
     ints.insert(ints.begin(), static_cast<int64_t>(encoded));
