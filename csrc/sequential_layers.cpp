@@ -22,6 +22,14 @@ SequentialLayers::SequentialLayers(std::vector<torch::nn::AnyModule> modules, in
   }
 }
 
+std::vector<bool> SequentialLayers::training_flags() const {
+  std::vector<bool> flags;
+  for (const auto& layer : modules_) {
+    for (const auto& module : layer.ptr()->modules()) flags.push_back(module->is_training());
+  }
+  return flags;
+}
+
 Batch SequentialLayers::forward(const Batch& input) {
   if (!any_skippable_) return run(input);
   SkipTracker tracker;

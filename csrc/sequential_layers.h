@@ -29,6 +29,7 @@ class SequentialLayers : public Layers {
                    std::vector<SkipKey> arriving = {}, std::vector<SkipKey> leaving = {});
 
   Batch forward(const Batch& input) override;
+  std::vector<bool> training_flags() const override;
 
  private:
   Batch run(const Batch& input, SkipTracker* tracker = nullptr);

@@ -225,17 +225,31 @@ void Stage::set_shared_generators(std::vector<bool> shared) {
 }
 
 void Stage::begin_step() {
+  // "No" is kept while the layers' training flags and grad mode are those
+  // of the step that learned it: a Dropout switched back to training is
+  // relearned.
+  std::vector<bool> flags = layers_->training_flags();
+  flags.push_back(at::GradMode::is_enabled());
+  const bool same_modes = flags == training_flags_;
+  training_flags_ = std::move(flags);
   for (size_t g = 0; g < generators_.size(); ++g) {
-    draws_[g].store(drew_[g].exchange(false) ? kDraws : kUnknown);
+    const bool drew = drew_[g].exchange(false);
+    const bool quiet = same_modes && draws_[g].load() == kDrawsNot;
+    draws_[g].store(drew ? kDraws : quiet ? kDrawsNot : kUnknown);
   }
 }
 
 // Random draws of a cell (RNG rule, rng.h), per generator g of the stage.
 // `own`: the step gives cells streams of their own on g (the step has several
 // micro-batches and other workers draw from g too). draws_[g] is what the
-// stage's cells are known to do in this step: relearned at each step's start
-// (begin_step: "yes" if a cell drew in the step before, else unknown), so a
-// model switched from eval to train is not taken for one that never draws.
+// stage's cells are known to do in this step, set at each step's start
+// (begin_step): "yes" if a cell drew in the step before; "no" if the step
+// before learned "no" and the layers' training flags and grad mode are as
+// they were then;
+// else unknown (relearned), so a model switched from eval to train is not
+// taken for one that never draws. Learning costs a cell that runs alone
+// (exclusive lock); relearning it at every step held every stage's first
+// cell of every step alone, about K cells of each step serialized.
 //
 //   case                          draws_[g]      lock        around the forward
 //   own                           unknown, yes   exclusive   Own: g set to the cell's stream
@@ -256,13 +270,15 @@ void Stage::begin_step() {
 // checkpointed cell keeps the graph it built (no replay needed), and g
 // becomes "yes". Where g is own, the draw came from the live generator in
 // the threads' order: that step is not reproducible (warned once). Only a
-// stage whose first cell of a step draws nothing while a later one draws,
-// in a step after one where it drew nothing, does that.
+// stage that draws nothing in a whole step (or in its first cell of a step)
+// and then draws, its training flags unchanged, does that: a layer drawing
+// on some steps or micro-batches only, by a flag of its own or its data.
 //
 // So every cell is exact, a layer may draw on some micro-batches only, a
-// stage that never draws keeps full concurrency (after one exclusive cell
-// per step), and with own streams a cell's numbers depend on the seed, its
-// stage and its micro-batch only: seeded runs are bitwise reproducible.
+// stage that never draws keeps full concurrency (after one exclusive cell in
+// its first step and after each change of its training flags), and with own
+// streams a cell's numbers depend on the seed, its stage and its micro-batch
+// only: seeded runs are bitwise reproducible.
 Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_checkpoint,
                      const CellDraws& draws, bool share_captures) {
   const bool graph = at::GradMode::is_enabled();

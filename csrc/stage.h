@@ -31,6 +31,11 @@ class Layers {
   virtual ~Layers() = default;
   /// Runs the layers in order on `input` (already on the stage's device).
   virtual Batch forward(const Batch& input) = 0;
+  /// The training flags of the layers and of every module they hold, in a
+  /// fixed order. While they stay as they were in a step in which the stage
+  /// drew no random numbers, its next step starts known not to draw
+  /// (Stage::begin_step).
+  virtual std::vector<bool> training_flags() const = 0;
 };
 
 /// Tensors whose in-place change makes a later backward refuse, as
@@ -183,8 +188,11 @@ class Stage {
   /// no): a checkpointed cell must then save a copy to recompute from.
   std::atomic<int> mutates_input_{0};
   /// Per generator: whether this stage's cells draw from it (unknown, yes,
-  /// no), learned in each step; see stage.cpp.
+  /// no), learned in a step and kept while nothing says otherwise; see
+  /// stage.cpp.
   std::array<std::atomic<int>, 2> draws_{};
+  /// The layers' training flags at the start of this step (begin_step).
+  std::vector<bool> training_flags_;
   /// Per generator: whether some cell of this step was seen drawing from it.
   std::array<std::atomic<bool>, 2> drew_{};
   std::vector<bool> shared_;

@@ -67,6 +67,24 @@ PyLayers::~PyLayers() {
   layers_.release().dec_ref();
 }
 
+std::vector<bool> PyLayers::training_flags() const {
+  py::gil_scoped_acquire gil;
+  std::vector<bool> flags;
+  py::list layers;
+  if (!runner_) {
+    layers = layers_;
+  } else if (py::hasattr(layers_, "layers")) {
+    layers = py::list(layers_.attr("layers"));
+  } else {
+    layers.append(layers_);
+  }
+  for (auto layer : layers) {
+    if (!py::hasattr(layer, "modules")) continue;
+    for (auto module : layer.attr("modules")()) flags.push_back(module.attr("training").cast<bool>());
+  }
+  return flags;
+}
+
 detail::Batch PyLayers::forward(const detail::Batch& input) {
   py::gil_scoped_acquire gil;
   if (runner_) return run_with_skips(input);

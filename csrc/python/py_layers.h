@@ -21,6 +21,8 @@ class PyLayers : public detail::Layers {
   ~PyLayers() override;
 
   detail::Batch forward(const detail::Batch& input) override;
+  /// The flags of each layer's `modules()` in order (a runner's `layers`).
+  std::vector<bool> training_flags() const override;
 
  private:
   detail::Batch run_with_skips(const detail::Batch& input);

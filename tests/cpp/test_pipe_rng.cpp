@@ -9,7 +9,11 @@
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -375,4 +379,107 @@ TEST_CASE("rng: a weight tied across CPU stages gets bitwise the same grad on ev
       check_bitwise_equal(first, train_step_run(schedule, mode, true), run);
     }
   }
+}
+
+// ---- a stage that draws nothing runs its cells at once with the others ---------------------
+//
+// A cell that does not know yet whether its stage draws takes the shared
+// generator to itself (the RNG rule, rng.h), so it runs alone. Learning that
+// once per step made every stage's first cell of every step run alone: on
+// K workers about K cells of each step were serialized (issue 26 item 1).
+
+namespace {
+
+/// Two cells that should be able to run at once: each one that arrives
+/// waits, up to two seconds, until both are inside.
+struct Meeting {
+  std::mutex mutex;
+  std::condition_variable changed;
+  int inside = 0;
+  bool together = false;  // both were inside at once
+  int met = 0;            // cells that saw it
+  bool armed = false;
+};
+
+/// Identity that meets on the micro-batch whose first element is
+/// `microbatch`, while the meeting is armed (in forwards, not recomputes).
+class MeetImpl : public torch::nn::Cloneable<MeetImpl> {
+ public:
+  MeetImpl(std::shared_ptr<Meeting> meeting, double microbatch)
+      : meeting_(std::move(meeting)), microbatch_(microbatch) {}
+  void reset() override {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (gpipe::is_recomputing() || x[0][0].item<double>() != microbatch_) return x;
+    std::unique_lock<std::mutex> hold(meeting_->mutex);
+    if (!meeting_->armed) return x;
+    if (++meeting_->inside == 2) meeting_->together = true;
+    meeting_->changed.notify_all();
+    if (meeting_->changed.wait_for(hold, std::chrono::seconds(2),
+                                   [&] { return meeting_->together; })) {
+      ++meeting_->met;
+    }
+    --meeting_->inside;
+    return x;
+  }
+
+ private:
+  std::shared_ptr<Meeting> meeting_;
+  double microbatch_;
+};
+TORCH_MODULE(Meet);
+
+}  // namespace
+
+TEST_CASE("rng: from its second step on, a stage that draws nothing runs at once with the others",
+          "[rng]") {
+  const auto mode = GENERATE(Checkpoint::Never, Checkpoint::Always);
+  CAPTURE(mode);
+  // Two CPU stages, two micro-batches (rows of 0s, then of 1s): stage 1's
+  // first cell and stage 0's second are due at the same time.
+  auto meeting = std::make_shared<Meeting>();
+  gpipe::Pipe pipe(torch::nn::Sequential(Meet(meeting, 1.0), Meet(meeting, 0.0)),
+                   PipeOptions()
+                       .balance({1, 1})
+                       .devices({torch::kCPU, torch::kCPU})
+                       .chunks(2)
+                       .checkpoint(mode));
+  auto x = torch::cat({torch::zeros({2, 4}), torch::ones({2, 4})}).requires_grad_(true);
+  pipe->forward(x).sum().backward();  // the first step learns that nothing draws
+  for (int step = 1; step < 3; ++step) {
+    INFO("step " << step);
+    {
+      std::lock_guard<std::mutex> hold(meeting->mutex);
+      meeting->armed = true;
+      meeting->together = false;
+      meeting->met = 0;
+    }
+    pipe->forward(x).sum().backward();
+    std::lock_guard<std::mutex> hold(meeting->mutex);
+    CHECK(meeting->met == 2);
+  }
+}
+
+TEST_CASE("rng: a stage back in training after an eval step draws from its cells' own streams",
+          "[rng]") {
+  // Its dropouts drew nothing in eval mode; in training they must draw
+  // again from each cell's stream, as on a fresh Pipe, not from the live
+  // generator in the threads' order.
+  const auto mode = GENERATE(Checkpoint::Never, Checkpoint::Always);
+  CAPTURE(mode);
+  torch::manual_seed(2);
+  const auto x = torch::randn({32, kWidth});
+  gpipe::Pipe fresh(drawing_model(false), four_cpu_stages(mode, 4));
+  torch::manual_seed(3);
+  const auto want = fresh->forward(x);
+
+  gpipe::Pipe pipe(drawing_model(false), four_cpu_stages(mode, 4));
+  pipe->eval();
+  {
+    torch::NoGradGuard no_grad;
+    pipe->forward(x);
+  }
+  pipe->forward(x);  // eval with a graph: still nothing drawn
+  pipe->train();
+  torch::manual_seed(3);
+  CHECK(torch::equal(pipe->forward(x), want));
 }

@@ -220,3 +220,45 @@ def test_a_fresh_pipes_first_checkpointed_step_equals_its_later_ones(checkpoint)
     for step in steps:
         for got, want in zip(step, never):
             assert torch.equal(got, want), (got - want).abs().max().item()
+
+
+def nested_dropouts_model() -> nn.Sequential:
+    """4 float32 layers for 4 stages, the dropouts nested in stages 1 and 3."""
+    torch.manual_seed(17)
+    return nn.Sequential(nn.Linear(64, 64), nn.Sequential(nn.Tanh(), nn.Dropout(0.3)),
+                         nn.Linear(64, 64), nn.Sequential(nn.Tanh(), nn.Dropout(0.5)))
+
+
+@pytest.mark.parametrize("switch", ["pipe", "nested dropouts"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_stage_back_in_training_draws_from_its_cells_own_streams(switch, checkpoint):
+    """A stage that drew nothing in a step starts the next one known not to draw while its modes
+    stay (its cells then run side by side); a Pipe whose dropouts drew nothing in eval steps must
+    draw, once back in training, what a fresh Pipe draws from the same seed (each cell's own
+    stream), not from the live generator in the threads' order: also when only a nested
+    module's flag changes."""
+    def pipe_of() -> gpipe.Pipe:
+        return gpipe.Pipe(nested_dropouts_model(), balance=[1, 1, 1, 1], devices=["cpu"] * 4,
+                          chunks=4, checkpoint=checkpoint)
+
+    x = torch.randn(32, 64)
+    fresh = pipe_of()
+    torch.manual_seed(3)
+    want = fresh(x)
+
+    pipe = pipe_of()
+    dropouts = [m for m in pipe.modules() if isinstance(m, nn.Dropout)]
+    assert len(dropouts) == 2
+
+    def set_training(mode: bool) -> None:
+        for module in [pipe] if switch == "pipe" else dropouts:
+            module.train(mode)
+
+    set_training(False)
+    pipe(x)  # draws nothing, and learns it
+    pipe(x)  # keeps it
+    set_training(True)
+    torch.manual_seed(3)
+    got = pipe(x)
+    assert torch.equal(got, want)
+    assert (got == 0).any()  # the dropouts drew
