@@ -5,6 +5,8 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <string>
+#include <unordered_set>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -15,6 +17,33 @@ namespace {
 [[noreturn]] void raise_type_error(const std::string& message) {
   PyErr_SetString(PyExc_TypeError, message.c_str());
   throw py::error_already_set();
+}
+
+// Appends the training flags of `module` and of every module under it, in
+// the order `module.modules()` gives them (each once), walking `_modules`
+// directly: that generator costs ~1 us per module (its memo, its names),
+// and this runs at every step's start for every stage. A module whose `_modules` is not a dict (a
+// ScriptModule's) is walked by `modules()` itself.
+void add_training_flags(py::handle module, std::vector<bool>& flags,
+                        std::unordered_set<PyObject*>& seen) {
+  if (!seen.insert(module.ptr()).second || !py::hasattr(module, "training")) return;
+  const py::object children = py::getattr(module, "_modules", py::none());
+  if (!py::isinstance<py::dict>(children)) {
+    if (!py::hasattr(module, "modules")) {
+      flags.push_back(py::bool_(module.attr("training")));
+      return;
+    }
+    for (auto m : module.attr("modules")()) {
+      if (m.ptr() == module.ptr() || seen.insert(m.ptr()).second) {
+        flags.push_back(py::bool_(m.attr("training")));
+      }
+    }
+    return;
+  }
+  flags.push_back(py::bool_(module.attr("training")));
+  for (auto item : py::reinterpret_borrow<py::dict>(children)) {
+    if (!item.second.is_none()) add_training_flags(item.second, flags, seen);
+  }
 }
 
 }  // namespace
@@ -78,10 +107,8 @@ std::vector<bool> PyLayers::training_flags() const {
   } else {
     layers.append(layers_);
   }
-  for (auto layer : layers) {
-    if (!py::hasattr(layer, "modules")) continue;
-    for (auto module : layer.attr("modules")()) flags.push_back(module.attr("training").cast<bool>());
-  }
+  std::unordered_set<PyObject*> seen;
+  for (auto layer : layers) add_training_flags(layer, flags, seen);
   return flags;
 }
 

@@ -222,24 +222,29 @@ def test_a_fresh_pipes_first_checkpointed_step_equals_its_later_ones(checkpoint)
             assert torch.equal(got, want), (got - want).abs().max().item()
 
 
-def nested_dropouts_model() -> nn.Sequential:
-    """4 float32 layers for 4 stages, the dropouts nested in stages 1 and 3."""
+def nested_dropouts_model(scripted: bool = False) -> nn.Sequential:
+    """4 float32 layers for 4 stages, the dropouts nested in stages 1 and 3 (in ScriptModules
+    with ``scripted``)."""
     torch.manual_seed(17)
-    return nn.Sequential(nn.Linear(64, 64), nn.Sequential(nn.Tanh(), nn.Dropout(0.3)),
-                         nn.Linear(64, 64), nn.Sequential(nn.Tanh(), nn.Dropout(0.5)))
+    wrap = torch.jit.script if scripted else (lambda m: m)
+    return nn.Sequential(nn.Linear(64, 64), wrap(nn.Sequential(nn.Tanh(), nn.Dropout(0.3))),
+                         nn.Linear(64, 64), wrap(nn.Sequential(nn.Tanh(), nn.Dropout(0.5))))
 
 
-@pytest.mark.parametrize("switch", ["pipe", "nested dropouts"])
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("switch", ["pipe", "nested dropouts", "scripted dropouts"])
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 def test_a_stage_back_in_training_draws_from_its_cells_own_streams(switch, checkpoint):
     """A stage that drew nothing in a step starts the next one known not to draw while its modes
     stay (its cells then run side by side); a Pipe whose dropouts drew nothing in eval steps must
     draw, once back in training, what a fresh Pipe draws from the same seed (each cell's own
     stream), not from the live generator in the threads' order: also when only a nested
-    module's flag changes."""
+    module's flag changes, in a ScriptModule too."""
+    scripted = switch == "scripted dropouts"
+
     def pipe_of() -> gpipe.Pipe:
-        return gpipe.Pipe(nested_dropouts_model(), balance=[1, 1, 1, 1], devices=["cpu"] * 4,
-                          chunks=4, checkpoint=checkpoint)
+        return gpipe.Pipe(nested_dropouts_model(scripted), balance=[1, 1, 1, 1],
+                          devices=["cpu"] * 4, chunks=4, checkpoint=checkpoint)
 
     x = torch.randn(32, 64)
     fresh = pipe_of()
@@ -247,7 +252,8 @@ def test_a_stage_back_in_training_draws_from_its_cells_own_streams(switch, check
     want = fresh(x)
 
     pipe = pipe_of()
-    dropouts = [m for m in pipe.modules() if isinstance(m, nn.Dropout)]
+    dropouts = [m for m in pipe.modules()
+                if isinstance(m, nn.Dropout) or getattr(m, "original_name", "") == "Dropout"]
     assert len(dropouts) == 2
 
     def set_training(mode: bool) -> None:
