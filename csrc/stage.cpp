@@ -245,11 +245,11 @@ void Stage::begin_step() {
 // stage's cells are known to do in this step, set at each step's start
 // (begin_step): "yes" if a cell drew in the step before; "no" if the step
 // before learned "no" and the layers' training flags and grad mode are as
-// they were then;
-// else unknown (relearned), so a model switched from eval to train is not
-// taken for one that never draws. Learning costs a cell that runs alone
-// (exclusive lock); relearning it at every step held every stage's first
-// cell of every step alone, about K cells of each step serialized.
+// they were then; else unknown (relearned), so a model switched from eval
+// to train is not taken for one that never draws. Learning costs a cell
+// that runs alone (exclusive lock); relearning at every step ran every
+// stage's first cell of every step alone, about K cells of each step in
+// series.
 //
 //   case                          draws_[g]      lock        around the forward
 //   own                           unknown, yes   exclusive   Own: g set to the cell's stream

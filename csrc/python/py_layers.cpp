@@ -22,8 +22,8 @@ namespace {
 // Appends the training flags of `module` and of every module under it, in
 // the order `module.modules()` gives them (each once), walking `_modules`
 // directly: that generator costs ~1 us per module (its memo, its names),
-// and this runs at every step's start for every stage. A module whose `_modules` is not a dict (a
-// ScriptModule's) is walked by `modules()` itself.
+// and this runs at every step's start for every stage. A module whose
+// `_modules` is not a dict (a ScriptModule's) is walked by `modules()`.
 void add_training_flags(py::handle module, std::vector<bool>& flags,
                         std::unordered_set<PyObject*>& seen) {
   if (!seen.insert(module.ptr()).second || !py::hasattr(module, "training")) return;
