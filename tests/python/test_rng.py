@@ -3,6 +3,7 @@ import copy
 import hashlib
 import os
 import subprocess
+import threading
 import sys
 from typing import Dict, List
 
@@ -268,3 +269,60 @@ def test_a_stage_back_in_training_draws_from_its_cells_own_streams(switch, check
     got = pipe(x)
     assert torch.equal(got, want)
     assert (got == 0).any()  # the dropouts drew
+
+
+class Meeting:
+    """Two cells that should be able to run at once: each waits, up to two seconds, until both
+    are inside."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self.inside = 0
+        self.together = False
+        self.met = 0
+        self.armed = False
+
+
+class Meet(nn.Module):
+    """Identity that meets on the micro-batch whose first element is ``microbatch``, while the
+    meeting is armed (in forwards, not recomputes)."""
+
+    def __init__(self, meeting: Meeting, microbatch: float) -> None:
+        super().__init__()
+        self.meeting = meeting
+        self.microbatch = microbatch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if gpipe.is_recomputing() or x[0, 0].item() != self.microbatch:
+            return x
+        m = self.meeting
+        with m.changed:
+            if not m.armed:
+                return x
+            m.inside += 1
+            if m.inside == 2:
+                m.together = True
+            m.changed.notify_all()
+            if m.changed.wait_for(lambda: m.together, timeout=2.0):
+                m.met += 1
+            m.inside -= 1
+        return x
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_from_its_second_step_on_a_stage_that_draws_nothing_runs_at_once_with_the_others(
+        checkpoint):
+    """The first cell of a stage not known to draw runs alone (it learns); relearning that at
+    every step ran each stage's first cell of every step alone. Two CPU stages, two
+    micro-batches: stage 1's first cell and stage 0's second must overlap from the second step
+    on (the Python stage's training flags must compare equal from step to step)."""
+    meeting = Meeting()
+    pipe = gpipe.Pipe(nn.Sequential(Meet(meeting, 1.0), Meet(meeting, 0.0)), balance=[1, 1],
+                      devices=["cpu", "cpu"], chunks=2, checkpoint=checkpoint)
+    x = torch.cat([torch.zeros(2, 4), torch.ones(2, 4)]).requires_grad_()
+    pipe(x).sum().backward()  # the first step learns that nothing draws
+    for step in (1, 2):
+        with meeting.changed:
+            meeting.armed, meeting.together, meeting.met = True, False, 0
+        pipe(x).sum().backward()
+        assert meeting.met == 2, step
