@@ -191,7 +191,8 @@ class Stage {
   /// no), learned in a step and kept while nothing says otherwise; see
   /// stage.cpp.
   std::array<std::atomic<int>, 2> draws_{};
-  /// The layers' training flags at the start of this step (begin_step).
+  /// The layers' training flags, then grad mode, at the start of this step
+  /// (begin_step).
   std::vector<bool> training_flags_;
   /// Per generator: whether some cell of this step was seen drawing from it.
   std::array<std::atomic<bool>, 2> drew_{};
