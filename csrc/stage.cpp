@@ -8,12 +8,14 @@
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
@@ -128,12 +130,36 @@ bool elements_overlap(const at::Tensor& t) {
   return false;
 }
 
+// Kernels choose their path, and so their order of summation, by where the
+// data starts relative to this boundary too (a BLAS GEMM on a slice at an odd
+// row gives other last bits than on an aligned copy of it).
+constexpr int64_t kAlignment = 64;
+
+// A copy of `t` (elements not overlapping) with its sizes and strides, whose
+// first element lies as far past a kAlignment boundary as the original's.
+at::Tensor aligned_alike(const at::Tensor& t) {
+  const int64_t item = static_cast<int64_t>(t.element_size());
+  int64_t span = 1;  // the elements the layout reaches
+  for (int64_t d = 0; d < t.dim(); ++d) span += (t.size(d) - 1) * t.stride(d);
+  const auto misalign =
+      static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.const_data_ptr()) % kAlignment);
+  if (t.numel() > 0 && misalign % item == 0) {
+    at::Tensor buffer = at::empty({span + kAlignment / item}, t.options());
+    const auto base =
+        static_cast<int64_t>(reinterpret_cast<uintptr_t>(buffer.const_data_ptr()) % kAlignment);
+    const int64_t shift = (misalign - base + kAlignment) % kAlignment;
+    if (shift % item == 0) return buffer.as_strided(t.sizes(), t.strides(), shift / item);
+  }
+  return at::empty_strided(t.sizes(), t.strides(), t.options());
+}
+
 // A copy with the original's sizes and strides (a column slice stays a
-// column slice): kernels choose their order of summation from the strides
-// (a matmul's backward does), so a recompute from the copy computes bit for
-// bit what the first forward computed from the original. A tensor whose
-// elements overlap cannot be written through its own strides: it is cloned
-// as torch clones it.
+// column slice) at the original's offset from a 64-byte boundary: kernels
+// choose their order of summation from both (a matmul's backward does by the
+// strides, a BLAS GEMM by the alignment), so a recompute from the copy
+// computes bit for bit what the first forward computed from the original. A
+// tensor whose elements overlap cannot be written through its own strides:
+// it is cloned as torch clones it.
 Batch cloned(const Batch& batch) {
   at::NoGradGuard no_grad;
   Batch b = batch;
@@ -143,7 +169,7 @@ Batch cloned(const Batch& batch) {
       t = t.clone();
       continue;
     }
-    at::Tensor copy = at::empty_strided(t.sizes(), t.strides(), t.options());
+    at::Tensor copy = aligned_alike(t);
     copy.copy_(t);
     t = std::move(copy);
   }
@@ -431,6 +457,13 @@ Batch Stage::forward(Cell& cell, const Batch& input, bool checkpoint, bool any_c
   // first cell saved a copy: the plain model would not have). A stage that
   // changes its input itself recomputes from a copy and needs no watch.
   if (!mutated) cell.input_watch.watch(input);
+  // The cell that learned "keeps" saved a copy in case it did not: recompute
+  // from the input itself, as every later cell does. A GEMM need not give the
+  // same bits on a copy (this CPU's BLAS takes another path for data at
+  // another alignment: a slice of a larger batch), so recomputing from the
+  // copy made the first step's recomputes differ from their forwards in the
+  // last bits, and its grads from later steps'.
+  if (learned && !mutated) cell.saved = input;
   return leaving;  // `out` and `entry` go: the graph is freed here
 }
 
