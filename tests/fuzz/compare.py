@@ -51,6 +51,7 @@ one after a step in which it drew nothing (:class:`layers.CondDropout`), can
 make the first step differ: there the second and a third run are compared.
 """
 import copy
+import itertools
 import random
 import threading
 from dataclasses import dataclass
@@ -290,19 +291,49 @@ def _backward(out: Any, weights: Sequence[Optional[Tensor]], pool: Dict[str, Ten
     return {}
 
 
+def _forward_orders(pipe: nn.Module) -> Optional[List[List[int]]]:
+    """Per stage, the micro-batches in the order their forwards ran, where the Pipe runs a
+    table (a gpipe.Schedule may run a stage's micro-batches out of order); None where every
+    stage runs them in order (the built-in schedules, and every Pipe outside train_step)."""
+    schedule = getattr(pipe, "schedule", None)
+    if not isinstance(schedule, gpipe.Schedule):
+        return None
+    orders: List[List[int]] = [[] for _ in range(schedule.stages)]
+    for row in schedule.to_rows():
+        for action in row:
+            stage, op, mb = _parse_action(action)
+            if op == "F":
+                orders[stage].append(mb)
+    return orders
+
+
+def _parse_action(action: str) -> Tuple[int, str, int]:
+    """'12F3' -> (12, 'F', 3)."""
+    k = next(i for i, c in enumerate(action) if not c.isdigit())
+    return int(action[:k]), action[k], int(action[k + 1:])
+
+
 def _replay_dropout(pipe: nn.Module, refs: Sequence[nn.Module], use_logs: bool,
                     complete: Optional[int] = None) -> Dict[int, Tensor]:
     """Hands the masks the Pipe's dropout layers drew (micro-batch order) to the references.
     ``complete``: the batch's rows, where the Pipe stopped at an error before every micro-batch
     ran its forward (train_step interleaves): the rows it did not reach get fresh masks, so
-    the references raise (or not) as the Pipe's micro-batches did. Returns the masks handed
-    over, by layer."""
+    the references raise (or not) as the Pipe's micro-batches did. A layer logs its masks in
+    the order its stage ran the forwards, which a table may choose (:func:`_forward_orders`).
+    Returns the masks handed over, by layer."""
     masks = {}
+    orders = _forward_orders(pipe) if use_logs else None
+    starts = list(itertools.accumulate(getattr(pipe, "balance", [len(pipe)])))
     for i, p in enumerate(pipe):
         if isinstance(p, MaskDropout):
-            mask = torch.cat(p.log) if use_logs and p.log else None
-            if mask is not None and complete is not None and mask.shape[0] < complete:
-                rest = torch.ones((complete - mask.shape[0],) + mask.shape[1:], dtype=mask.dtype)
+            logged, rest_rows = p.log, complete
+            if orders is not None and logged:
+                order = orders[next(j for j, end in enumerate(starts) if i < end)]
+                logged = _in_microbatch_order(logged, order, p.p, complete)
+                rest_rows = None  # the rows not reached are in place already
+            mask = torch.cat(logged) if use_logs and logged else None
+            if mask is not None and rest_rows is not None and mask.shape[0] < rest_rows:
+                rest = torch.ones((rest_rows - mask.shape[0],) + mask.shape[1:], dtype=mask.dtype)
                 mask = torch.cat([mask, torch.nn.functional.dropout(rest, p.p, True)])
             for ref in refs:
                 ref[i].replay = mask
@@ -310,6 +341,22 @@ def _replay_dropout(pipe: nn.Module, refs: Sequence[nn.Module], use_logs: bool,
                 masks[i] = mask
             p.log = []
     return masks
+
+
+def _in_microbatch_order(logged: List[Tensor], order: List[int], p: float,
+                         complete: Optional[int]) -> List[Tensor]:
+    """The masks ``logged`` in the forwards' ``order`` (micro-batches; a prefix of it ran where
+    the Pipe stopped at an error), put in micro-batch order; with ``complete`` (the batch's
+    rows) the micro-batches not reached get fresh masks of their rows (the Pipe's cut: rows
+    differing by at most one, larger first)."""
+    m = len(order)
+    by_mb: Dict[int, Tensor] = dict(zip(order, logged))
+    if complete is None or len(by_mb) == m:
+        return [by_mb[k] for k in sorted(by_mb)]
+    sizes = [len(r) for r in torch.arange(complete).tensor_split(m)]
+    like = logged[0]
+    return [by_mb[k] if k in by_mb else torch.nn.functional.dropout(
+        torch.ones((sizes[k],) + like.shape[1:], dtype=like.dtype), p, True) for k in range(m)]
 
 
 def _compare_grads(pipe: _Side, ref: _Side, mode: str, names: List[str],

@@ -46,9 +46,16 @@ MODES = ("always", "except_last", "never")
 BACKWARDS = ("backward", "grad_inputs", "grad_params", "backward_inputs", "backward_subset")
 #: train_step's schedules (gpipe.Pipe's ``schedule``).
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+#: What a train_step configuration runs: a schedule above, zb_v (drawn in place of some
+#: zb_h1) or a random table (a gpipe.Schedule, drawn in place of any).
+STEP_KINDS = SCHEDULES + ("zb_v", "table")
 #: The share of configurations whose outputs are joined along dim 0 (about 4 in 5) run with
 #: train_step (about a third of all), and of the interleaved ones with 2 or 3 virtual stages.
 STEP_ODDS, VIRTUAL_ODDS = 0.44, 0.6
+#: The share of train_step configurations that run a random table (a gpipe.Schedule) instead
+#: of their built-in schedule, and of configurations of several stages given one checkpoint
+#: mode per stage.
+TABLE_ODDS, STAGE_MODES_ODDS = 0.3, 0.25
 
 
 @dataclass
@@ -119,16 +126,24 @@ class Config:
     virtual_stages: int = 1
     #: How many gpipe.skip Namespaces the skip layers isolate into (``ns[i]`` in the body).
     namespaces: int = 0
+    #: With step 'table': the table's stages lie in a 'loop' or, two per device, in a 'v'
+    #: (the table itself is drawn from the seed by :func:`random_table`, for the stages,
+    #: devices and micro-batches the configuration has).
+    table: str = ""
+    #: Whether the Pipe gets one checkpoint mode per stage (drawn from the seed by
+    #: :func:`stage_modes`) instead of ``checkpoint``.
+    stage_modes: bool = False
 
     def summary(self) -> str:
         inputs = ", ".join(("mask" if s.kind == "mask" else
                             f"{s.shape(self.rows)}{'+grad' if s.requires_grad else ''}")
                            for s in self.inputs)
         return (f"layers=[{', '.join(s.short() for s in self.layers)}] balance={self.balance} "
-                f"chunks={self.chunks} checkpoint={self.checkpoint} dtype={self.dtype} "
+                f"chunks={self.chunks} checkpoint={self.checkpoint_arg()} dtype={self.dtype} "
                 f"inputs=({inputs}){self._dims_args()} {'train' if self.training else 'eval'}"
                 f"{' no_grad' if self.no_grad else ''} "
                 f"{f'train_step={self.step}' if self.step else f'backward={self.backward}'}"
+                f"{f'({self.table})' if self.table else ''}"
                 f"{f' virtual_stages={self.virtual_stages}' if self.virtual_stages > 1 else ''}"
                 f"{' pre_grad' if self.pre_grad else ''}")
 
@@ -136,10 +151,23 @@ class Config:
         """Devices of the Pipe: one per stage, or per ``virtual_stages`` stages."""
         return len(self.balance) // self.virtual_stages
 
+    def microbatches(self) -> int:
+        """The micro-batches the Pipe cuts the batch into (a table is laid out for them)."""
+        return min(self.chunks, self.rows) if self.table else self.chunks
+
+    def checkpoint_arg(self) -> Any:
+        """The Pipe's ``checkpoint``: the mode, or one mode per stage."""
+        return stage_modes(self.seed, len(self.balance)) if self.stage_modes else self.checkpoint
+
     def _step_args(self) -> str:
         """The Pipe's schedule arguments (none without train_step)."""
         if not self.step:
             return ""
+        if self.table:
+            rows = random_table(self.seed, len(self.balance), self.workers(),
+                                self.microbatches(), self.table == "v" and
+                                self.virtual_stages == 2)
+            return f", schedule=gpipe.Schedule.from_rows({rows!r})"
         text = f", schedule={self.step!r}"
         return text + (f", virtual_stages={self.virtual_stages}" if self.virtual_stages > 1
                        else "")
@@ -174,8 +202,8 @@ class Config:
             "model = nn.Sequential(*layers)",
             "ref = copy.deepcopy(model)",
             f"pipe = gpipe.Pipe(model, balance={self.balance}, devices=['cpu'] * {k}, "
-            f"chunks={self.chunks}, checkpoint={self.checkpoint!r}{self._dims_args()}"
-            f"{self._step_args()})",
+            f"chunks={self.microbatches()}, checkpoint={self.checkpoint_arg()!r}"
+            f"{self._dims_args()}{self._step_args()})",
             f"g = torch.Generator().manual_seed({self.seed})",
             f"inputs = {inputs[0]}" if len(inputs) == 1 else f"inputs = ({', '.join(inputs)})",
         ]
@@ -313,12 +341,14 @@ def features_of(cfg: Config) -> List[str]:
     checkpoint modes; 'batch_dim' (the Pipe gets batch_dim or output_batch_dim), and the batch
     dim variants 'batch-second', 'batch-out', 'shared-input', 'tagged-output' (layer kinds);
     'train_step' with the schedule's name ('gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1',
-    'zb_v') and 'virtual_stages' (more than one stage per device) in place of the backward
-    mode; 'skips'
+    'zb_v', or 'table': a random table given as a gpipe.Schedule) and 'virtual_stages' (more
+    than one stage per device) in place of the backward mode; 'stage-modes' (one checkpoint
+    mode per stage); 'skips'
     (any skip connection, the layer kinds 'stash', 'pop', 'relay'), 'skip-crossing' (one
     crosses a stage boundary), 'skip-namespace' (isolated), 'skip-none' (a None skip);
     'tie-crossing' (a TiedLinear in another stage than its Linear)."""
     found = {s.kind for s in cfg.layers} | {cfg.checkpoint}
+    found |= {"stage-modes"} if cfg.stage_modes else set()
     found |= {"train_step", cfg.step} if cfg.step else {cfg.backward}
     found |= {"virtual_stages"} if cfg.virtual_stages > 1 else set()
     starts = {sum(cfg.balance[:j]) for j in range(len(cfg.balance))}
@@ -635,6 +665,10 @@ def generate(seed: int) -> Any:
     cfg = _train_step(seed, cfg)
     if tied:
         cfg = _tie_balance(seed, cfg)
+    # One mode per stage for some configurations of several stages, by a generator of its own
+    # (the other draws stay as they were before it existed).
+    if len(cfg.balance) > 1 and random.Random(f"stage modes {seed}").random() < STAGE_MODES_ODDS:
+        cfg = replace(cfg, stage_modes=True)
     cfg.features = features_of(cfg)
     return cfg
 
@@ -675,7 +709,57 @@ def _train_step(seed: int, cfg: Config) -> Config:
         cuts = sorted(rng.sample(range(1, n), k - 1))
         cfg = replace(cfg, balance=[b - a for a, b in zip([0] + cuts, cuts + [n])],
                       virtual_stages=v)
+    # A random table in place of the built-in schedule (any stages per device that divide
+    # them, in a loop or two in a V), by a generator of its own as zb_v above.
+    table = random.Random(f"table {seed}")
+    if table.random() < TABLE_ODDS:
+        stages = len(cfg.balance)
+        v = table.choice([d for d in (1, 2, 3) if stages % d == 0])
+        shape = "v" if v == 2 and table.random() < 0.5 else "loop"
+        cfg = replace(cfg, step="table", table=shape, virtual_stages=v)
     return cfg
+
+
+def random_table(seed: int, stages: int, rows: int, microbatches: int,
+                 v_shaped: bool) -> List[List[str]]:
+    """A valid schedule table (torch.distributed.pipelining's compute actions, one list per
+    row) for ``stages`` stages on ``rows`` rows: stage s on row s mod rows, or in a V (row r:
+    stages r and 2 rows - 1 - r). Each (stage, micro-batch) backward is whole (B) or split
+    (I, then W) at random, and the rows' orders come from one random serial run of the
+    tasks, each picked among those whose inputs are done: so no table deadlocks, and the
+    orders range from GPipe-like to ones no built-in schedule makes (W's long after their
+    I's, a stage's micro-batches out of order). Now and then an idle tick ('')."""
+    rng = random.Random(f"table {seed} {stages} {rows} {microbatches} {v_shaped}")
+    row_of = [(s if s < rows else 2 * rows - 1 - s) if v_shaped else s % rows
+              for s in range(stages)]
+    split = {(s, i): rng.random() < 0.5 for s in range(stages) for i in range(microbatches)}
+    done: set = set()
+
+    def ready(op: str, s: int, i: int) -> bool:
+        if op == "F":
+            return s == 0 or ("F", s - 1, i) in done
+        if op == "W":
+            return ("I", s, i) in done
+        after = s + 1 == stages or ("I" if split[(s + 1, i)] else "B", s + 1, i) in done
+        return ("F", s, i) in done and after
+
+    pending = [(op, s, i) for s in range(stages) for i in range(microbatches)
+               for op in (("F", "I", "W") if split[(s, i)] else ("F", "B"))]
+    table: List[List[str]] = [[] for _ in range(rows)]
+    while pending:
+        op, s, i = rng.choice([t for t in pending if ready(*t)])
+        pending.remove((op, s, i))
+        done.add((op, s, i))
+        if rng.random() < 0.05:
+            table[row_of[s]].append("")
+        table[row_of[s]].append(f"{s}{op}{i}")
+    return table
+
+
+def stage_modes(seed: int, stages: int) -> List[str]:
+    """One checkpoint mode per stage, drawn from the seed."""
+    rng = random.Random(f"stage modes {seed} {stages}")
+    return [rng.choice(MODES) for _ in range(stages)]
 
 
 # -- shrinking -------------------------------------------------------------------------------
@@ -684,6 +768,10 @@ def _smaller(cfg: Config) -> Iterable[Config]:
     """Simpler variants of ``cfg``, simplest first; each still a valid model."""
     if cfg.backward != "backward":
         yield replace(cfg, backward="backward")
+    if cfg.stage_modes:
+        yield replace(cfg, stage_modes=False)
+    if cfg.table == "v":
+        yield replace(cfg, table="loop")
     for flag in ("pre_grad", "no_grad"):
         if getattr(cfg, flag):
             yield replace(cfg, **{flag: False})

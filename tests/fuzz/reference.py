@@ -143,7 +143,7 @@ class BoundaryCloned(nn.Sequential):
     (micro-batch, stage, exception): each micro-batch goes on until its first error."""
 
     def __init__(self, model: nn.Sequential, balance: Sequence[int], chunks: int = 1,
-                 checkpoint: str = "never", batch_dim: Any = 0,
+                 checkpoint: Any = "never", batch_dim: Any = 0,
                  output_batch_dim: Any = None) -> None:
         super().__init__(*model)
         starts = [sum(balance[:j]) for j in range(len(balance) + 1)]
@@ -193,7 +193,10 @@ class BoundaryCloned(nn.Sequential):
         rows = ([p.shape[cut[0][1]] for p in cut[0][0].tensor_split(m, dim=cut[0][1])] if m > 1
                 else [total])
         graph = torch.is_grad_enabled() and self.training
-        stop = CHECKPOINT_STOPS[self.checkpoint](m) if graph else 0
+        # The checkpoint mode, or one per stage.
+        modes = ([self.checkpoint] * len(self.stages) if isinstance(self.checkpoint, str)
+                 else list(self.checkpoint))
+        stops = [CHECKPOINT_STOPS[mode](m) if graph else 0 for mode in modes]
         # Dropout replays the Pipe's masks (whole batch, micro-batch order): each cell its slice.
         replays = {i: l.replay for i, l in enumerate(self)
                    if isinstance(l, MaskDropout) and l.replay is not None}
@@ -209,7 +212,7 @@ class BoundaryCloned(nn.Sequential):
                         full = replays[k]
                         self[k].replay = (full[offsets[i]:offsets[i] + rows[i]]
                                           if full.shape[0] == sum(rows) else full)
-                checkpointed = i < stop
+                checkpointed = i < stops[j]
                 if checkpointed:
                     drew = _draws([self[k] for k in stage], rows[i])
                     if state[j] is False and drew:

@@ -3,6 +3,7 @@ import copy
 import functools
 import importlib.util
 import pathlib
+import re
 import sys
 
 import torch
@@ -14,7 +15,7 @@ FUZZ_DIR = pathlib.Path(__file__).resolve().parents[1] / "fuzz"
 
 #: Seeds run here: a fixed, small range (seconds); `python3 tests/fuzz/fuzz.py --seeds 0:2000`
 #: is the long run.
-SEEDS = range(0, 300)
+SEEDS = range(0, 400)
 
 
 def load_fuzz():
@@ -51,12 +52,13 @@ def test_fixed_seeds_match_the_plain_model():
 def test_fixed_seeds_run_again_from_the_same_seed_in_every_schedule_and_mode():
     """Issue 22: every configuration whose Pipe ran without error runs it again from the same
     seed, bitwise the same; among them configurations whose dropout draws, in the drop-in
-    call and under each train_step schedule, in each checkpoint mode, with several
-    micro-batches."""
+    call and under each train_step schedule and random tables, in each checkpoint mode and
+    with one mode per stage, with several micro-batches."""
     fuzz = load_fuzz()
     summary, _ = fixed_run()
     assert summary.repeated >= 0.8 * len(SEEDS), summary
-    wanted = ("drop-in",) + tuple(fuzz.SCHEDULES) + tuple(fuzz.MODES) + ("micro-batches",)
+    wanted = (("drop-in",) + tuple(fuzz.SCHEDULES) + ("table",) + tuple(fuzz.MODES)
+              + ("per-stage", "micro-batches"))
     assert all(summary.drawing.get(v, 0) >= 3 for v in wanted), summary.drawing
     assert summary.drawing["drawing"] >= 40, summary.drawing
 
@@ -144,7 +146,8 @@ def test_fixed_seeds_draw_every_train_step_schedule():
     """The fixed range runs pipe.train_step under each schedule, interleaved also with more
     than one stage per device."""
     fuzz = load_fuzz()
-    schedules = tuple(fuzz.SCHEDULES) + ("zb_v",)  # zb_v: drawn in place of some zb_h1
+    # zb_v: drawn in place of some zb_h1; table: a random gpipe.Schedule in place of any.
+    schedules = tuple(fuzz.STEP_KINDS)
     wanted = ("train_step",) + schedules + ("virtual_stages",)
     drawn = {v: 0 for v in wanted}
     for seed in SEEDS:
@@ -162,7 +165,7 @@ def test_train_step_configurations_build_their_pipe_as_drawn():
     from configs import _smaller  # noqa: E402 - on sys.path once fuzz.py is loaded
 
     cfg = next(fuzz.generate(s) for s in SEEDS if fuzz.generate(s).virtual_stages > 1
-               and "pipeline" not in fuzz.generate(s).features)
+               and fuzz.generate(s).step == "interleaved_1f1b")
     body = cfg.body()
     assert f"schedule='interleaved_1f1b', virtual_stages={cfg.virtual_stages}" in body
     assert f"devices=['cpu'] * {len(cfg.balance) // cfg.virtual_stages}," in body
@@ -170,6 +173,97 @@ def test_train_step_configurations_build_their_pipe_as_drawn():
     for smaller in _smaller(cfg):
         assert smaller.step == cfg.step
         assert len(smaller.balance) % smaller.virtual_stages == 0, smaller.summary()
+
+
+def test_table_configurations_build_their_pipe_as_drawn():
+    """A random-table reproduction builds its Pipe with the table as a gpipe.Schedule, one
+    device per row and the table's micro-batches as chunks; every shrink still has a table
+    its Pipe accepts (the table is drawn anew for the stages, rows and micro-batches left)."""
+    fuzz = load_fuzz()
+    from configs import _smaller  # noqa: E402
+
+    tables = [fuzz.generate(s) for s in SEEDS if getattr(fuzz.generate(s), "table", "")]
+    assert {c.table for c in tables} == {"loop", "v"}
+    for cfg in tables[:6]:
+        body = cfg.body()
+        assert "schedule=gpipe.Schedule.from_rows([[" in body
+        assert f"devices=['cpu'] * {len(cfg.balance) // cfg.virtual_stages}," in body
+        assert f"chunks={min(cfg.chunks, cfg.rows)}," in body
+        for c in [cfg] + list(_smaller(cfg)):
+            namespace = {"gpipe": gpipe}
+            text = c._step_args()
+            schedule = eval(text[len(", schedule="):], namespace)  # noqa: S307 - our own text
+            assert schedule.rows == len(c.balance) // c.virtual_stages, c.summary()
+            assert schedule.microbatches == c.microbatches(), c.summary()
+
+
+def test_random_tables_are_valid_and_run_out_of_order():
+    """configs.random_table gives tables gpipe.Schedule accepts, for loops and V's of 1 to 3
+    stages per row, with whole and split backwards, idle ticks, and orders no built-in
+    schedule makes: a stage's forwards out of micro-batch order, a W not right after its I."""
+    load_fuzz()
+    from configs import random_table  # noqa: E402 - on sys.path once fuzz.py is loaded
+
+    seen = set()
+    for seed in range(60):
+        for stages, rows, v_shaped in ((1, 1, False), (3, 3, False), (4, 2, False),
+                                       (4, 2, True), (6, 2, False), (6, 3, True)):
+            table = random_table(seed, stages, rows, 4, v_shaped)
+            schedule = gpipe.Schedule.from_rows(table)
+            assert (schedule.rows, schedule.stages, schedule.microbatches) == (rows, stages, 4)
+            assert schedule.v_shaped == v_shaped
+            for row in table:
+                seen.update({"idle"} if "" in row else set())
+                actions = [re.fullmatch(r"(\d+)([FIWB])(\d+)", a).groups() for a in row if a]
+                seen.update(op for _, op, _ in actions)
+                by_stage = {}
+                for stage, op, mb in actions:
+                    if op == "F":
+                        by_stage.setdefault(stage, []).append(int(mb))
+                if any(order != sorted(order) for order in by_stage.values()):
+                    seen.add("out of order")
+                for k, (stage, op, mb) in enumerate(actions[:-1]):
+                    if op == "I" and actions[k + 1] != (stage, "W", mb):
+                        seen.add("W later")
+    assert {"F", "B", "I", "W", "idle", "out of order", "W later"} <= seen, seen
+
+
+def test_a_table_running_forwards_out_of_order_replays_the_masks_it_drew():
+    """Dropout logs its masks in the order its stage ran the forwards; under a table that runs
+    micro-batch 1 before 0 the references get them in micro-batch order, so the Pipe matches
+    the plain model (handing them over in the order drawn made every such seed a mismatch)."""
+    fuzz = load_fuzz()
+    from compare import check  # noqa: E402
+
+    f64 = torch.float64
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(3, 4, dtype=f64), fuzz.MaskDropout(0.5),
+                          nn.Linear(4, 2, dtype=f64))
+    ref = copy.deepcopy(model)
+    table = gpipe.Schedule.from_rows([["0F1", "0F0", "0B0", "0I1", "0W1"],
+                                      ["1F1", "1F0", "1B1", "1B0"]])
+    pipe = gpipe.Pipe(model, balance=[2, 1], devices=["cpu"] * 2, chunks=2, schedule=table)
+    x = torch.randn(6, 3, dtype=f64, requires_grad=True)
+    target = torch.randn(6, 2, dtype=f64)
+    found = check(pipe, ref, x, target=target)
+    assert found.drew
+    assert [m.kind for m in found] == [], [str(m) for m in found]
+
+
+def test_stage_modes_reach_the_pipe_and_shrink_away():
+    """A configuration with one checkpoint mode per stage builds its Pipe with the list (one
+    mode per stage of its balance, also after a shrink merges stages), and shrinking tries it
+    with the one mode first."""
+    fuzz = load_fuzz()
+    from configs import _smaller, stage_modes  # noqa: E402
+
+    cfg = next(fuzz.generate(s) for s in SEEDS if "stage-modes" in fuzz.generate(s).features)
+    assert f"checkpoint={stage_modes(cfg.seed, len(cfg.balance))!r}" in cfg.body()
+    smaller = list(_smaller(cfg))
+    assert any(not c.stage_modes for c in smaller)
+    for c in smaller:
+        if c.stage_modes:
+            assert len(c.checkpoint_arg()) == len(c.balance)
 
 
 def test_generation_is_deterministic():
