@@ -8,7 +8,13 @@
 // the models tie two layers' weights, on one stage, two, or two ranks. After every
 // step, every rank's grads (accumulated, never zeroed) and the last rank's
 // loss equal Pipe's train_step and the plain Sequential's backward; the
-// last rank's eval equals the plain forward. A failure prints the seed and
+// last rank's eval equals the plain forward. About 3 seeds in 10 run a
+// random schedule table (schedule_csv: the stages in a loop or, two per rank,
+// in a V; each backward whole or split into I and W; the rows' orders from
+// one random serial run of the tasks) in place of the schedule, and about a
+// quarter give each stage its own checkpoint mode (stage_checkpoints); both
+// drawn by a generator of their own, so the other draws of a seed stay as
+// they were. A failure prints the seed and
 // the configuration; rerun just it with GPIPE_DIST_FUZZ_SEEDS=seed:seed+1.
 //
 // GPIPE_DIST_FUZZ_SEEDS=a:b runs seeds a, a+1, ..., b-1 instead of the
@@ -22,7 +28,9 @@
 #include <cstdlib>
 #include <map>
 #include <random>
+#include <set>
 #include <sstream>
+#include <tuple>
 
 using namespace gpipe_test;
 using gpipe::Checkpoint;
@@ -273,6 +281,9 @@ struct Config {
   std::vector<LayerSpec> layers;
   std::vector<int64_t> balance;
   std::vector<StepShape> steps;
+  std::string table;  // schedule_csv; empty: `schedule`
+  bool v_shaped = false;  // the stages lie in a V (zb_v, or a table so placed)
+  std::vector<Checkpoint> stage_modes;  // empty: `checkpoint`
 };
 
 std::string describe(const Config& c) {
@@ -287,7 +298,20 @@ std::string describe(const Config& c) {
     << (c.out_arity == 0 ? std::string("one tensor") : "tuple of " + std::to_string(c.out_arity))
     << ", widest tuple " << c.widest << "\n  balance {";
   for (size_t j = 0; j < c.balance.size(); ++j) s << (j ? ", " : "") << c.balance[j];
-  s << "}\n  layers:";
+  s << "}";
+  if (!c.stage_modes.empty()) {
+    s << "\n  stage checkpoints {";
+    for (size_t j = 0; j < c.stage_modes.size(); ++j) s << (j ? ", " : "") << c.stage_modes[j];
+    s << "}";
+  }
+  if (!c.table.empty()) {
+    s << "\n  table (" << (c.v_shaped ? "V" : "loop") << "):\n    ";
+    for (const char ch : c.table) {
+      if (ch == '\n') s << "\n    ";
+      else s << ch;
+    }
+  }
+  s << "\n  layers:";
   for (size_t i = 0; i < c.layers.size(); ++i) {
     const auto& l = c.layers[i];
     s << " " << i << ":" << name_of(l.kind);
@@ -317,6 +341,59 @@ struct Draw {
     return v[static_cast<size_t>(in(0, static_cast<int64_t>(v.size()) - 1))];
   }
 };
+
+// A valid schedule table for `stages` stages on `rows` rows (stage s on row
+// s mod rows, or in a V: row r holds stages r and 2 rows - 1 - r) and `m`
+// micro-batches: each backward whole (B) or split (I, then W) at random,
+// the rows' orders from one random serial run of the tasks, each picked
+// among those whose inputs are done (so none deadlocks; stages may run
+// their micro-batches out of order, W's long after their I's).
+std::string random_table(Draw& d, int64_t stages, int64_t rows, int64_t m, bool v_shaped) {
+  struct Task {
+    char op;
+    int64_t stage, mb;
+  };
+  std::vector<std::vector<bool>> split(static_cast<size_t>(stages));
+  std::vector<Task> pending;
+  for (int64_t st = 0; st < stages; ++st) {
+    for (int64_t i = 0; i < m; ++i) {
+      split[static_cast<size_t>(st)].push_back(d.chance(50));
+      for (const char op : split[static_cast<size_t>(st)].back() ? std::string("FIW")
+                                                                   : std::string("FB")) {
+        pending.push_back({op, st, i});
+      }
+    }
+  }
+  std::set<std::tuple<char, int64_t, int64_t>> done;
+  auto ready = [&](const Task& t) {
+    if (t.op == 'F') return t.stage == 0 || done.count({'F', t.stage - 1, t.mb}) > 0;
+    if (t.op == 'W') return done.count({'I', t.stage, t.mb}) > 0;
+    if (done.count({'F', t.stage, t.mb}) == 0) return false;
+    if (t.stage + 1 == stages) return true;
+    const char after = split[static_cast<size_t>(t.stage + 1)][static_cast<size_t>(t.mb)] ? 'I' : 'B';
+    return done.count({after, t.stage + 1, t.mb}) > 0;
+  };
+  std::vector<std::vector<std::string>> table(static_cast<size_t>(rows));
+  while (!pending.empty()) {
+    std::vector<size_t> candidates;
+    for (size_t k = 0; k < pending.size(); ++k) {
+      if (ready(pending[k])) candidates.push_back(k);
+    }
+    const size_t k = d.pick(candidates);
+    const Task t = pending[k];
+    pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(k));
+    done.insert({t.op, t.stage, t.mb});
+    const int64_t row = v_shaped && t.stage >= rows ? 2 * rows - 1 - t.stage : t.stage % rows;
+    table[static_cast<size_t>(row)].push_back(std::to_string(t.stage) + t.op +
+                                              std::to_string(t.mb));
+  }
+  std::string csv;
+  for (const auto& row : table) {
+    for (size_t k = 0; k < row.size(); ++k) csv += (k ? "," : "") + row[k];
+    csv += "\n";
+  }
+  return csv;
+}
 
 Config draw_config(uint64_t seed) {
   Draw d(seed);
@@ -444,6 +521,23 @@ Config draw_config(uint64_t seed) {
     else if (pattern == 2) c.steps.push_back(s == 0 ? a : shape(three_d));
     else c.steps.push_back(s % 2 == 0 ? a : b);
   }
+
+  // Tables and per-stage modes: a generator of their own (the draws above
+  // stay as they were before these existed).
+  Draw extra(seed ^ 0x7AB1E5EEDULL);
+  const int64_t stages_now = static_cast<int64_t>(c.balance.size());
+  if (extra.chance(30)) {
+    c.v_shaped = c.virtual_stages == 2 && (c.schedule == Schedule::ZBV || extra.chance(50));
+    c.table = random_table(extra, stages_now, c.ranks, c.chunks, c.v_shaped);
+  } else {
+    c.v_shaped = c.schedule == Schedule::ZBV;
+  }
+  if (extra.chance(25)) {
+    for (int64_t j = 0; j < stages_now; ++j) {
+      c.stage_modes.push_back(extra.pick(std::vector<Checkpoint>{
+          Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}));
+    }
+  }
   return c;
 }
 
@@ -569,7 +663,9 @@ std::string run_config(const Config& c) {
                        .chunks(c.chunks)
                        .schedule(c.schedule)
                        .virtual_stages(c.virtual_stages)
-                       .checkpoint(c.checkpoint));
+                       .checkpoint(c.checkpoint)
+                       .stage_checkpoints(c.stage_modes)
+                       .schedule_csv(c.table));
   std::vector<torch::Tensor> plain_losses, pipe_losses;
   std::vector<Tensors> plain_outs;
   std::vector<Grads> plain_grads, pipe_grads;
@@ -605,6 +701,8 @@ std::string run_config(const Config& c) {
                        .schedule(c.schedule)
                        .virtual_stages(c.virtual_stages)
                        .checkpoint(c.checkpoint)
+                       .stage_checkpoints(c.stage_modes)
+                       .schedule_csv(c.table)
                        .group(groups[r]);
     if (!reverse.empty()) options.reverse_group(reverse[r]);
     gpipe::DistributedPipe dp(copies[r], options);
@@ -642,7 +740,7 @@ std::string run_config(const Config& c) {
     close(pipe_losses[s], plain_losses[s], after + "Pipe's loss vs the plain Sequential's");
     std::map<std::string, int> holders;
     // The last stage's rank: the last rank, or rank 0 under ZB-V's V.
-    const int last_rank = c.schedule == Schedule::ZBV ? 0 : c.ranks - 1;
+    const int last_rank = c.v_shaped ? 0 : c.ranks - 1;
     for (int r = 0; r < c.ranks; ++r) {
       const auto& out = results[static_cast<size_t>(r)][s];
       const std::string who = after + "rank " + std::to_string(r) + " ";
