@@ -56,6 +56,9 @@ STEP_ODDS, VIRTUAL_ODDS = 0.44, 0.6
 #: of their built-in schedule, and of configurations of several stages given one checkpoint
 #: mode per stage.
 TABLE_ODDS, STAGE_MODES_ODDS = 0.3, 0.25
+#: The share of configurations whose float inputs are views at an odd offset (kernels may give
+#: other last bits on data at another alignment: a copy must not change what a cell computes).
+OFFSET_ODDS = 0.3
 
 
 @dataclass
@@ -93,9 +96,15 @@ class InputSpec:
             return self.features
         return self.features[:self.batch_at] + (rows,) + self.features[self.batch_at:]
 
-    def expr(self, rows: int) -> str:
+    def expr(self, rows: int, offset: bool = False) -> str:
+        """The input's expression; ``offset``: a float input is a slice of one more row, from
+        its second row on (a view at an odd offset, as a slice of a dataset is)."""
         if self.kind == "mask":
             return f"torch.randint(0, 2, ({rows},), generator=g)"
+        if offset and self.kind == "float":
+            shape = ", ".join(map(str, self.shape(rows + 1)))
+            return (f"torch.randn({shape}, dtype=dtype, generator=g)"
+                    f".narrow({self.batch_at}, 1, {rows}).requires_grad_({self.requires_grad})")
         shape = ", ".join(map(str, self.shape(rows)))
         return (f"torch.randn({shape}, dtype=dtype, generator=g)"
                 f".requires_grad_({self.requires_grad})")
@@ -133,6 +142,8 @@ class Config:
     #: Whether the Pipe gets one checkpoint mode per stage (drawn from the seed by
     #: :func:`stage_modes`) instead of ``checkpoint``.
     stage_modes: bool = False
+    #: Whether the float inputs are views at an odd offset (:meth:`InputSpec.expr`).
+    offset_inputs: bool = False
 
     def summary(self) -> str:
         inputs = ", ".join(("mask" if s.kind == "mask" else
@@ -197,7 +208,7 @@ class Config:
             lines.insert(2, f"ns = [Namespace() for _ in range({self.namespaces})]")
         lines += [f"layers.append({s.expr()})  # {i}" for i, s in enumerate(self.layers)]
         k = self.workers()
-        inputs = [s.expr(self.rows) for s in self.inputs]
+        inputs = [s.expr(self.rows, self.offset_inputs) for s in self.inputs]
         lines += [
             "model = nn.Sequential(*layers)",
             "ref = copy.deepcopy(model)",
@@ -343,12 +354,13 @@ def features_of(cfg: Config) -> List[str]:
     'train_step' with the schedule's name ('gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1',
     'zb_v', or 'table': a random table given as a gpipe.Schedule) and 'virtual_stages' (more
     than one stage per device) in place of the backward mode; 'stage-modes' (one checkpoint
-    mode per stage); 'skips'
+    mode per stage); 'offset-inputs' (float inputs are views at an odd offset); 'skips'
     (any skip connection, the layer kinds 'stash', 'pop', 'relay'), 'skip-crossing' (one
     crosses a stage boundary), 'skip-namespace' (isolated), 'skip-none' (a None skip);
     'tie-crossing' (a TiedLinear in another stage than its Linear)."""
     found = {s.kind for s in cfg.layers} | {cfg.checkpoint}
     found |= {"stage-modes"} if cfg.stage_modes else set()
+    found |= {"offset-inputs"} if cfg.offset_inputs else set()
     found |= {"train_step", cfg.step} if cfg.step else {cfg.backward}
     found |= {"virtual_stages"} if cfg.virtual_stages > 1 else set()
     starts = {sum(cfg.balance[:j]) for j in range(len(cfg.balance))}
@@ -669,6 +681,8 @@ def generate(seed: int) -> Any:
     # (the other draws stay as they were before it existed).
     if len(cfg.balance) > 1 and random.Random(f"stage modes {seed}").random() < STAGE_MODES_ODDS:
         cfg = replace(cfg, stage_modes=True)
+    if random.Random(f"offset inputs {seed}").random() < OFFSET_ODDS:
+        cfg = replace(cfg, offset_inputs=True)
     cfg.features = features_of(cfg)
     return cfg
 
@@ -770,6 +784,8 @@ def _smaller(cfg: Config) -> Iterable[Config]:
         yield replace(cfg, backward="backward")
     if cfg.stage_modes:
         yield replace(cfg, stage_modes=False)
+    if cfg.offset_inputs:
+        yield replace(cfg, offset_inputs=False)
     if cfg.table == "v":
         yield replace(cfg, table="loop")
     for flag in ("pre_grad", "no_grad"):
