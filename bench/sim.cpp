@@ -1,6 +1,10 @@
 // sim.cpp — schedule efficiency on simulated devices: layers that sleep t in forward and 2t in backward.
 //
-//   bench_sim [--quick]
+//   bench_sim [--quick] [--schedules]
+//
+// --schedules runs only the schedules' section (train_step at K=8, M=32;
+// about 20 s): what tests/gpu/run.sh runs on a host with a core per
+// simulated device.
 //
 // Each stage holds one sleep layer (layers per stage L = 1): its forward
 // sleeps t, its backward 2t, like a device busy with kernels while the CPU
@@ -53,6 +57,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -252,6 +257,8 @@ double measured_nap(double seconds, int n) {
 
 int main(int argc, char** argv) {
   const bool quick = bench::quick(argc, argv);
+  bool schedules_only = false;
+  for (int i = 1; i < argc; ++i) schedules_only |= std::string(argv[i]) == "--schedules";
   // Timer slack is per thread and inherited at thread creation: set it
   // before any Pipe (and its workers) exists.
   const bool slack_set = prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL) == 0;
@@ -271,8 +278,9 @@ int main(int argc, char** argv) {
   const double bwd = measured_nap(2 * t, quick ? 20 : 100);
   std::printf(
       "sim: sleep layers, t = %.1f ms (forward t, backward 2t), %lld layer per stage, "
-      "checkpoint=never, median of %d steps after %d warm-up\n",
-      t * 1e3, static_cast<long long>(per_stage), reps, warmup);
+      "checkpoint=never, median of %d steps after %d warm-up; %u hardware threads\n",
+      t * 1e3, static_cast<long long>(per_stage), reps, warmup,
+      std::thread::hardware_concurrency());
   std::printf("sim: timer slack 1 ns %s; measured sleep(t) = %.3f ms, sleep(2t) = %.3f ms\n",
               slack_set ? "set" : "NOT set (prctl failed)", fwd * 1e3, bwd * 1e3);
   std::printf(
@@ -282,7 +290,7 @@ int main(int argc, char** argv) {
 
   // Per micro-batch (forward + backward) cost of one sleep layer, for real.
   std::vector<double> cell;
-  for (int64_t m : ms) {
+  for (int64_t m : schedules_only ? std::vector<int64_t>{} : ms) {
     cell.push_back(plain_loop_time(m, t, warmup, serial_reps) / static_cast<double>(m));
   }
 
@@ -293,7 +301,7 @@ int main(int argc, char** argv) {
     double efficiency, efficiency_real, speedup;
   };
   std::vector<Row> rows;
-  for (int64_t k : ks) {
+  for (int64_t k : schedules_only ? std::vector<int64_t>{} : ks) {
     for (size_t mi = 0; mi < ms.size(); ++mi) {
       const int64_t m = ms[mi];
       const double measured =
@@ -314,8 +322,10 @@ int main(int argc, char** argv) {
                  bench::fixed(static_cast<double>(k * m) / static_cast<double>(m + k - 1), 2)});
     }
   }
-  table.print();
-  std::printf("\n");
+  if (!schedules_only) {
+    table.print();
+    std::printf("\n");
+  }
 
   // ---- schedules: train_step at the largest K and M -------------------------------------
   const int64_t sk = ks.back();

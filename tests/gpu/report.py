@@ -208,6 +208,12 @@ def write(logs: str, out: str) -> None:
         lines += ["", "Checkpoint memory as the tests measured it:", "", "```"] + memory_lines + \
             ["```"]
 
+    sim_lines = [line for line in read(os.path.join(logs, "bench-sim.log")).splitlines()
+                 if line.startswith("BENCH ") or "hardware threads" in line]
+    if sim_lines:
+        lines += ["", "## Schedules on simulated devices (bench_sim --schedules, CPU)", "",
+                  "```"] + sim_lines + ["```"]
+
     lines += ["", "## Steps", "", "| step | outcome | exit | seconds | kind |", "|---|---|---|---|---|"]
     lines += [f"| {s['name']} | {s['outcome']} | {s['rc']} | {s['seconds']} | {s['kind']} |"
               for s in steps]

@@ -17,6 +17,8 @@
 #   python-build                         gpipe._C: pip install, or setup.py build if pip can't
 #   pytest-cuda, bench                   tests/python/test_cuda.py (and the distributed
 #                                        pipe's GPU test), bench/gpu.py
+#   bench-sim (optional)                 bench_sim --schedules: the schedules on 8 simulated
+#                                        devices, each with a core of its own here
 #   catch2-cpu, pytest-rest (optional)   the rest of both suites
 # Exits 0 when every step that ran passed (CUDA tests skipped for want of a
 # device count as passed: the report says "no CUDA device"), 1 otherwise.
@@ -138,7 +140,7 @@ for prefix in "${CATCH2_DIR:-}" "$root/.gpu-kit/catch2"; do
   done
 done
 cmake_args=(-DCMAKE_BUILD_TYPE=Release -DGPIPE_BUILD_EXAMPLES=OFF -DGPIPE_TEST_INSTALL=OFF
-            "-DGPIPE_PYTHON_EXECUTABLE=$(command -v "$python")")
+            -DGPIPE_BUILD_BENCHMARKS=ON "-DGPIPE_PYTHON_EXECUTABLE=$(command -v "$python")")
 tests=1
 if [[ -n $catch2_dir ]]; then
   echo "gpu kit: Catch2 from $catch2_dir"
@@ -271,6 +273,15 @@ else
 fi
 
 # ---- the rest, while time is left ---------------------------------------------------------------
+# The schedules on simulated devices, on a host with a core for each of its 8
+# (the CPU machines run them 4 to a core): zb_v's efficiency against perfect
+# parallelism (issue 26 item 1, docs/benchmarks.md "sim").
+if ((built_lib)); then
+  step build-bench-sim optional 240 cmake --build "$build" --target bench_sim --parallel "$jobs" \
+    && step bench-sim optional 120 "$build/bench_sim" --schedules
+else
+  not_run bench-sim optional "libgpipe did not build"
+fi
 if ((built_tests)); then
   # The CPU suites are the CPU machines' contract: Pipes there default to CPU
   # devices, and with a GPU visible they would default to cuda:0. Hidden here.
