@@ -232,17 +232,13 @@ def test_a_table_running_forwards_out_of_order_replays_the_masks_it_drew():
     """Dropout logs its masks in the order its stage ran the forwards; under a table that runs
     micro-batch 1 before 0 the references get them in micro-batch order, so the Pipe matches
     the plain model (handing them over in the order drawn made every such seed a mismatch)."""
-    fuzz = load_fuzz()
+    load_fuzz()
     from compare import check  # noqa: E402
 
-    f64 = torch.float64
-    torch.manual_seed(5)
-    model = nn.Sequential(nn.Linear(3, 4, dtype=f64), fuzz.MaskDropout(0.5),
-                          nn.Linear(4, 2, dtype=f64))
-    ref = copy.deepcopy(model)
     table = gpipe.Schedule.from_rows([["0F1", "0F0", "0B0", "0I1", "0W1"],
                                       ["1F1", "1F0", "1B1", "1B0"]])
-    pipe = gpipe.Pipe(model, balance=[2, 1], devices=["cpu"] * 2, chunks=2, schedule=table)
+    pipe, ref = _pipe_with_dropout(2, schedule=table)
+    f64 = torch.float64
     x = torch.randn(6, 3, dtype=f64, requires_grad=True)
     target = torch.randn(6, 2, dtype=f64)
     found = check(pipe, ref, x, target=target)
