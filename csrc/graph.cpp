@@ -165,6 +165,7 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
       cut.externals.push_back(edge);
       cut.captures.emplace_back();
       cut.capture_nodes.emplace_back();
+      cut.producers.emplace_back();
     }
     return e;
   };
@@ -240,6 +241,7 @@ Cut cut_at_externals(const std::vector<at::Tensor>& outputs, const GraphWindow& 
       // A capture node has no children (topological number 0), so the order
       // stays valid.
       node->next_edges()[i] = capture(e);
+      cut.producers[static_cast<size_t>(e)].emplace_back(node, i);
     }
   }
   return cut;

@@ -136,6 +136,11 @@ struct Cut {
   /// The capture nodes themselves (null where the edge is invalid); with
   /// `share_small`, one node may serve several edges (at different inputs).
   std::vector<std::shared_ptr<Capture>> capture_nodes;
+  /// For each external edge, the cell's nodes and output numbers whose edge
+  /// now points at its capture (the graph, kept alive by the cell's
+  /// outputs, owns them): a backward that wants only some edges of a shared
+  /// node points the others elsewhere for the run (`Stage::backward`).
+  std::vector<std::vector<std::pair<torch::autograd::Node*, uint32_t>>> producers;
   /// For each output: the number of the external edge it is (the layers
   /// returned an outside tensor as it is), or -1.
   std::vector<int64_t> direct;

@@ -566,6 +566,51 @@ class ArmedCaptures {
   const Cut& cut_;
 };
 
+// For one backward that wants some of a shared capture node's edges and not
+// others: autograd marks nodes, not their inputs, as needed for a target, so
+// targeting the node would also run the nodes on the paths to its unwanted
+// inputs (layers' backwards the plain model skips: they may raise or fire
+// hooks). Points each unwanted edge of such a node at a node of its own,
+// which no target needs, for the run, and back afterwards.
+class Unshared {
+ public:
+  Unshared(const Cut& cut, const std::vector<ExternalSink>& sinks) : cut_(cut) {
+    std::vector<const Capture*> wanted_nodes;
+    for (size_t e = 0; e < cut.externals.size(); ++e) {
+      if (cut.capture_nodes[e] && sinks[e].wanted) wanted_nodes.push_back(cut.capture_nodes[e].get());
+    }
+    for (size_t e = 0; e < cut.externals.size(); ++e) {
+      const auto& node = cut.capture_nodes[e];
+      if (!node || sinks[e].wanted || node->num_inputs() < 2) continue;
+      if (std::find(wanted_nodes.begin(), wanted_nodes.end(), node.get()) == wanted_nodes.end()) {
+        continue;  // nothing on this node is wanted: not a target, not run
+      }
+      auto aside = std::make_shared<Capture>();
+      const uint32_t input = aside->add(node->input_metadata(cut.captures[e].input_nr));
+      for (const auto& [producer, i] : cut.producers[e]) {
+        producer->next_edges()[i] = torch::autograd::Edge(aside, input);
+        moved_.push_back({producer, i, e});
+      }
+      asides_.push_back(std::move(aside));
+    }
+  }
+  ~Unshared() {
+    for (const auto& m : moved_) m.producer->next_edges()[m.output] = cut_.captures[m.external];
+  }
+  Unshared(const Unshared&) = delete;
+  Unshared& operator=(const Unshared&) = delete;
+
+ private:
+  struct Moved {
+    torch::autograd::Node* producer;
+    uint32_t output;
+    size_t external;
+  };
+  const Cut& cut_;
+  std::vector<Moved> moved_;
+  std::vector<std::shared_ptr<Capture>> asides_;
+};
+
 // Points the sinks of the wanted inputs at their slots in `grads` for one
 // backward pass (a grad reaching any other sink is dropped), and back at
 // nothing afterwards; adds those sinks to `targets`.
@@ -668,6 +713,8 @@ Batch Stage::backward(Cell& cell, const Batch& grads, bool keep_graph,
       }
     }
     ArmedCaptures armed(cut, sinks, external_grads);
+    std::optional<Unshared> unshared;
+    if (!every_sink) unshared.emplace(cut, sinks);
     run_backward(roots, root_grads, keep_graph, targets, every_sink);
   }
   if (cell.checkpointed) {

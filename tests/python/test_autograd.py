@@ -333,7 +333,7 @@ def test_value_the_next_stage_drops_gets_no_grad(checkpoint: str) -> None:
     assert_same_grads(pipe, ref)
 
 
-# -- known defects (found by the fuzzer, seed 8895; xfail until fixed) ---------------------------
+# -- found by the fuzzer (seed 8895) ----------------------------------------------------------
 
 class _Counted(torch.autograd.Function):
     """Identity whose backward counts its calls in ``calls``."""
@@ -354,26 +354,34 @@ class _Count(nn.Module):
         return _Counted.apply(x)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a cell's small grads share one capture node (graph.h, share_small); autograd targets a "
-    "node, not one of its inputs, so a backward asking for one outside tensor also runs the "
-    "nodes on the paths to the others' inputs of the shared node (grads stay right: the "
-    "capture drops what was not asked for). Fix: rewire the unwanted edges of a mixed shared "
-    "node to an unarmed node for the run (record each capture's producer edge in the cut)"))
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 def test_backward_inputs_runs_no_node_the_plain_model_skips(checkpoint):
     """backward(inputs=[w]) for an outside tensor w runs only the nodes on paths to w, in the
     plain model; a layer's backward elsewhere (here a counting identity between the first
-    Linear and the matmul with w) must not run, nor raise, nor fire hooks."""
+    Linear and the matmul with w) must not run, nor raise, nor fire hooks. The cell's small
+    grads (w's, the Linear's weight's) share one capture node, and autograd marks nodes, not
+    their inputs, as needed for a target: the backward ran the counting identity until the
+    unwanted edges of a shared node were pointed elsewhere for the run."""
     torch.manual_seed(0)
     w = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
     model = nn.Sequential(nn.Linear(6, 3, bias=False), _Count(), OutsideMatmul(w)).double()
     pipe = gpipe.Pipe(model, balance=[3], chunks=1, checkpoint=checkpoint)
     x = torch.randn(2, 6, dtype=torch.float64)
     _Counted.calls.clear()
-    model(x).sum().backward(inputs=[w])
+    out = model(x)
+    out.sum().backward(inputs=[w], retain_graph=True)
     assert _Counted.calls == []  # the plain model skips it
-    w.grad = None
-    pipe(x).sum().backward(inputs=[w])
-    assert w.grad is not None and model[0].weight.grad is None
+    want_w = w.grad
+    out.sum().backward(inputs=[model[0].weight])  # then the rest of the graph
+    want_weight = model[0].weight.grad
+    w.grad, model[0].weight.grad = None, None
+    _Counted.calls.clear()
+    out = pipe(x)
+    out.sum().backward(inputs=[w], retain_graph=True)
+    assert model[0].weight.grad is None
     assert _Counted.calls == []
+    assert_close(w.grad, want_w, what="w.grad")
+    # The edges pointed elsewhere for that run are back: a second backward reaches them.
+    out.sum().backward(inputs=[model[0].weight])
+    assert _Counted.calls == [1]
+    assert_close(model[0].weight.grad, want_weight, what="the Linear's weight grad")
