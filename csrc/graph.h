@@ -139,7 +139,9 @@ struct Cut {
   /// For each external edge, the cell's nodes and output numbers whose edge
   /// now points at its capture (the graph, kept alive by the cell's
   /// outputs, owns them): a backward that wants only some edges of a shared
-  /// node points the others elsewhere for the run (`Stage::backward`).
+  /// node points the others elsewhere for the run (`Stage::backward`). Valid
+  /// only while that graph lives: a checkpointed cell frees it after its
+  /// forward, and its recompute makes a new cut before any backward.
   std::vector<std::vector<std::pair<torch::autograd::Node*, uint32_t>>> producers;
   /// For each output: the number of the external edge it is (the layers
   /// returned an outside tensor as it is), or -1.
