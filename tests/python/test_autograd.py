@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import gpipe
-from conftest import MODES, TOL, assert_close, assert_same_grads, call_with_timeout, max_diff, mlp
+from conftest import (MODES, TOL, Counter, assert_close, assert_same_grads, call_with_timeout,
+                      max_diff, mlp)
 
 
 class OutsideMatmul(nn.Module):
@@ -335,25 +336,6 @@ def test_value_the_next_stage_drops_gets_no_grad(checkpoint: str) -> None:
 
 # -- found by the fuzzer (seed 8895) ----------------------------------------------------------
 
-class _Counted(torch.autograd.Function):
-    """Identity whose backward counts its calls in ``calls``."""
-    calls = []
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        _Counted.calls.append(1)
-        return grad
-
-
-class _Count(nn.Module):
-    def forward(self, x):
-        return _Counted.apply(x)
-
-
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 def test_backward_inputs_runs_no_node_the_plain_model_skips(checkpoint):
     """backward(inputs=[w]) for an outside tensor w runs only the nodes on paths to w, in the
@@ -364,24 +346,24 @@ def test_backward_inputs_runs_no_node_the_plain_model_skips(checkpoint):
     unwanted edges of a shared node were pointed elsewhere for the run."""
     torch.manual_seed(0)
     w = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
-    model = nn.Sequential(nn.Linear(6, 3, bias=False), _Count(), OutsideMatmul(w)).double()
+    counter = Counter()
+    model = nn.Sequential(nn.Linear(6, 3, bias=False), counter, OutsideMatmul(w)).double()
     pipe = gpipe.Pipe(model, balance=[3], chunks=1, checkpoint=checkpoint)
     x = torch.randn(2, 6, dtype=torch.float64)
-    _Counted.calls.clear()
     out = model(x)
     out.sum().backward(inputs=[w], retain_graph=True)
-    assert _Counted.calls == []  # the plain model skips it
+    assert counter.backwards == 0  # the plain model skips it
     want_w = w.grad
     out.sum().backward(inputs=[model[0].weight])  # then the rest of the graph
     want_weight = model[0].weight.grad
     w.grad, model[0].weight.grad = None, None
-    _Counted.calls.clear()
+    counter.backwards = 0
     out = pipe(x)
     out.sum().backward(inputs=[w], retain_graph=True)
     assert model[0].weight.grad is None
-    assert _Counted.calls == []
+    assert counter.backwards == 0
     assert_close(w.grad, want_w, what="w.grad")
     # The edges pointed elsewhere for that run are back: a second backward reaches them.
     out.sum().backward(inputs=[model[0].weight])
-    assert _Counted.calls == [1]
+    assert counter.backwards == 1
     assert_close(model[0].weight.grad, want_weight, what="the Linear's weight grad")
