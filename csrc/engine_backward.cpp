@@ -385,12 +385,17 @@ std::vector<at::Tensor> Engine::backward(PipeRun& run, const std::vector<at::Ten
     current_streams_wait_for(lanes);
     throw;
   }
-  current_streams_wait_for(lanes);
-
   std::vector<at::Tensor> result = join_input_grads(run, std::move(sinks));
-  // The external grads were summed on each stage's compute stream: the
-  // current streams wait for that work before autograd hands them on.
+  // The external grads were summed on each stage's compute stream: `settle`
+  // orders the current streams after that work.
   for (auto& g : sums.total(stages_)) result.push_back(std::move(g));
+  // Last, after the copies home: every current stream the grads may be
+  // read from comes after every lane and every such copy (streams.h).
+  std::vector<c10::Device> homes;
+  for (const auto& g : result) {
+    if (g.defined()) homes.push_back(g.device());
+  }
+  current_streams_wait_for(lanes, homes);
   return result;
 }
 

@@ -163,8 +163,8 @@ bool GradReducer::exchange_status(bool failed) {
   std::optional<c10::StreamGuard> on_side;
   if (!status_device_.is_cpu()) {
     if (!status_stream_) {
-      c10::impl::VirtualGuardImpl impl(status_device_.type());
-      status_stream_ = impl.getStreamFromGlobalPool(status_device_);
+      status_stream_ = take_pool_stream(status_device_);
+      status_held_ = hold({*status_stream_});
     }
     on_side.emplace(*status_stream_);
   }

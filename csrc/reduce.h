@@ -53,6 +53,7 @@
 
 #include "graph.h"
 #include "plan.h"
+#include "streams.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -152,6 +153,7 @@ class GradReducer {
   c10::Device status_device_;
   /// Where the status exchange runs on a GPU (made on first use).
   std::optional<c10::Stream> status_stream_;
+  HeldStreams status_held_;
   int64_t cap_;
   State state_ = State::Idle;
   std::string peer_failure_;

@@ -66,13 +66,91 @@ c10::Stream source_stream(const Lane& lane, c10::Device source) {
 
 }  // namespace
 
+namespace {
+
+// How often take_pool_stream draws before it shares: the pool's size on
+// CUDA (and XPU); a smaller pool only repeats its streams sooner.
+constexpr int kPoolDraws = 32;
+
+struct Holds {
+  std::mutex mutex;
+  std::vector<std::pair<c10::Stream, int>> counts;  // only streams held now
+
+  int* find(const c10::Stream& s) {
+    for (auto& [stream, n] : counts) {
+      if (stream == s) return &n;
+    }
+    return nullptr;
+  }
+};
+
+Holds& holds() {
+  static auto* h = new Holds();  // leaked: lanes may outlive static destruction
+  return *h;
+}
+
+void give_back(const std::vector<c10::Stream>& taken) {
+  auto& h = holds();
+  std::lock_guard<std::mutex> lock(h.mutex);
+  for (const auto& s : taken) {
+    int* n = h.find(s);
+    if (n == nullptr) continue;
+    if (--*n == 0) {
+      h.counts.erase(std::find_if(h.counts.begin(), h.counts.end(),
+                                  [&s](const auto& entry) { return entry.first == s; }));
+    }
+  }
+}
+
+}  // namespace
+
+c10::Stream take_pool_stream(c10::Device device, bool high_priority) {
+  c10::impl::VirtualGuardImpl impl(device.type());
+  auto& h = holds();
+  std::lock_guard<std::mutex> lock(h.mutex);
+  std::optional<c10::Stream> least;
+  int least_holds = 0;
+  for (int draw = 0; draw < kPoolDraws; ++draw) {
+    const c10::Stream s = impl.getStreamFromGlobalPool(device, high_priority);
+    int* n = h.find(s);
+    if (n == nullptr) {
+      h.counts.emplace_back(s, 1);
+      return s;
+    }
+    if (!least || *n < least_holds) {
+      least = s;
+      least_holds = *n;
+    }
+  }
+  // gpipe holds every stream of the pool: share the least-held one.
+  ++*h.find(*least);
+  return *least;
+}
+
+HeldStreams hold(std::vector<c10::Stream> taken) {
+  auto* streams = new std::vector<c10::Stream>(std::move(taken));
+  return HeldStreams(streams, [](const void* p) {
+    const auto* streams = static_cast<const std::vector<c10::Stream>*>(p);
+    give_back(*streams);
+    delete streams;
+  });
+}
+
+int pool_stream_holds(const c10::Stream& stream) {
+  auto& h = holds();
+  std::lock_guard<std::mutex> lock(h.mutex);
+  const int* n = h.find(stream);
+  return n == nullptr ? 0 : *n;
+}
+
+SourceStreams::~SourceStreams() { give_back(streams_); }
+
 c10::Stream SourceStreams::on(c10::Device source) {
   std::lock_guard<std::mutex> hold(mutex_);
   for (const auto& s : streams_) {
     if (s.device() == source) return s;
   }
-  c10::impl::VirtualGuardImpl impl(source.type());
-  streams_.push_back(impl.getStreamFromGlobalPool(source));
+  streams_.push_back(take_pool_stream(source));
   return streams_.back();
 }
 
@@ -89,8 +167,11 @@ Lane make_lane(c10::Device device) {
   if (!device.has_index()) {
     device = c10::Device(device.type(), 0);
   }
-  c10::impl::VirtualGuardImpl impl(device.type());
-  return {device, impl.getStreamFromGlobalPool(device), impl.getStreamFromGlobalPool(device)};
+  const c10::Stream compute = take_pool_stream(device);
+  const c10::Stream copy = take_pool_stream(device);
+  Lane lane{device, compute, copy};
+  lane.held = hold({compute, copy});
+  return lane;
 }
 
 std::vector<std::shared_ptr<c10::Event>> mark(const c10::Stream& stream) {
@@ -179,9 +260,26 @@ Batch receive(Payload payload, const Lane& lane, Span* copy) {
 }
 
 Batch settle(Payload payload) {
-  for (const auto& ev : payload.ready) {
-    c10::impl::VirtualGuardImpl impl(ev->device_type());
-    ev->block(impl.getStream(ev->device()));
+  // The caller reads each tensor on the current stream of the tensor's
+  // device, which need not be the device a ready event was recorded on (a
+  // stage's sums of a leaf's grads live on the leaf's device): every such
+  // stream waits for every event (a wait on another device's event is legal).
+  std::vector<c10::Device> devices;
+  auto note = [&devices](c10::Device d) {
+    if (!d.is_cpu() && std::find(devices.begin(), devices.end(), d) == devices.end()) {
+      devices.push_back(d);
+    }
+  };
+  for (const auto& ev : payload.ready) note(ev->device());
+  for (const auto& t : payload.batch.values) {
+    if (on_accelerator(t)) note(t.device());
+  }
+  for (const auto& device : devices) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    const c10::Stream current = impl.getStream(device);
+    for (const auto& ev : payload.ready) {
+      if (ev->device_type() == device.type()) ev->block(current);
+    }
   }
   for (const auto& t : payload.batch.values) {
     if (!on_accelerator(t)) continue;
@@ -210,15 +308,32 @@ void wait_for_current_streams(const std::vector<const Lane*>& lanes) {
   }
 }
 
-void current_streams_wait_for(const std::vector<const Lane*>& lanes) {
-  // One event per stream any lane uses, then every device's current (and
-  // default) stream waits for the events of the streams on that device.
+void current_streams_wait_for(const std::vector<const Lane*>& lanes,
+                              const std::vector<c10::Device>& also) {
+  // One event per stream any lane uses and per current stream on a device in
+  // `also`; then the current (and default) stream of every device among
+  // them waits for ALL the events, whatever device each was recorded on.
+  // Since torch 2.9 autograd hands a grad to a consumer on another device
+  // after an event on the producer node's stream (PipeBackward's: the
+  // forward-time stream of the output's device), so that stream must come
+  // after the lanes on every device, not only on its own (issue 23 item 7):
+  //
+  //   lane on d0 (compute)  B(0) rec(e0)
+  //   lane on d1 (compute)  B(1) rec(e1)
+  //   cur(d1) = PipeBackward's stream   wait(e0) wait(e1) rec(done)
+  //   consumer of x.grad on d0                          wait(done) ...
   std::vector<c10::Stream> streams;
+  auto add = [&streams](const c10::Stream& s) {
+    if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
+  };
   for (const Lane* lane : lanes) {
     if (lane == nullptr) continue;
-    for (const auto& s : streams_of(*lane)) {
-      if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
-    }
+    for (const auto& s : streams_of(*lane)) add(s);
+  }
+  for (const auto& device : also) {
+    if (device.is_cpu()) continue;
+    c10::impl::VirtualGuardImpl impl(device.type());
+    add(impl.getStream(device));
   }
   std::vector<c10::Device> devices;
   std::vector<c10::Event> events;
@@ -240,9 +355,9 @@ void current_streams_wait_for(const std::vector<const Lane*>& lanes) {
       // A backend without a default stream: only the current one.
     }
     for (size_t e = 0; e < events.size(); ++e) {
-      if (streams[e].device() != device) continue;
-      events[e].block(current);
-      if (fallback && *fallback != current) events[e].block(*fallback);
+      if (streams[e].device_type() != device.type()) continue;
+      if (streams[e] != current) events[e].block(current);
+      if (fallback && *fallback != current && streams[e] != *fallback) events[e].block(*fallback);
     }
   }
 }

@@ -14,9 +14,13 @@
 //
 // Without the first wait, F reads parameters optimizer.step() is still
 // writing; without the second, optimizer.step() reads .grad before B has
-// written it (autograd orders its own streams after PipeBackward's current
-// stream, which is cur(d) on the output's device, and the default stream of
-// the other devices: both wait here).
+// written it. Autograd orders a consumer of PipeBackward's grads after
+// PipeBackward's stream, which is cur(d) on the OUTPUT's device, even where
+// the grad and its consumer live on another device (torch 2.9+; before, the
+// default stream of the grad's device): so the second wait is every
+// device's current and default stream waiting for every lane, on every
+// device, and for the copies that take input grads home (`also` in
+// `current_streams_wait_for`).
 //
 // A hand-over between stages (a Payload carries the producer's `ready`
 // events; `receive` orders the consumer after them):
@@ -69,6 +73,10 @@ class Span;
 /// stream per source device, made on first use. Thread-safe.
 class SourceStreams {
  public:
+  SourceStreams() = default;
+  SourceStreams(const SourceStreams&) = delete;
+  SourceStreams& operator=(const SourceStreams&) = delete;
+  ~SourceStreams();
   /// The stream on `source` that copies from `source` into the owning lane
   /// run on.
   c10::Stream on(c10::Device source);
@@ -77,8 +85,24 @@ class SourceStreams {
 
  private:
   mutable std::mutex mutex_;
-  std::vector<c10::Stream> streams_;
+  std::vector<c10::Stream> streams_;  // each taken (take_pool_stream)
 };
+
+/// Pool streams gpipe holds: c10 hands out each device's pool (32 streams
+/// per priority on CUDA) round-robin to everyone in the process, so past 32
+/// draws a new stream is an old one again, and a lane's compute stream could
+/// be another's copy stream or the transport's side stream (where an early
+/// receive waits for its peer, and would hold back the compute queued
+/// behind it). `take_pool_stream` draws until it gets a stream no live gpipe
+/// holder has on that device; only when gpipe holds the whole pool does it
+/// share the least-held one. ProcessGroupNCCL's streams and the user's come
+/// from the same pool and cannot be seen: see docs/design.md (streams).
+c10::Stream take_pool_stream(c10::Device device, bool high_priority = false);
+/// Keeps taken streams held until the last copy of the handle goes.
+using HeldStreams = std::shared_ptr<const void>;
+HeldStreams hold(std::vector<c10::Stream> taken);
+/// How many holds gpipe has on the stream (tests).
+int pool_stream_holds(const c10::Stream& stream);
 
 /// A device and the streams one stage uses on it.
 struct Lane {
@@ -89,6 +113,8 @@ struct Lane {
   c10::Stream copy;
   /// Shared by copies of the Lane.
   std::shared_ptr<SourceStreams> sources = std::make_shared<SourceStreams>();
+  /// compute and copy, held while a copy of the Lane lives.
+  HeldStreams held;
 };
 
 /// Streams from the device's pool (CPU: its single default stream).
@@ -119,6 +145,8 @@ Batch receive(Payload payload, const Lane& lane, Span* copy = nullptr);
 
 /// Makes the payload usable on the current stream of each tensor's device
 /// (the caller's side, after the last stage), and records each tensor there.
+/// Those streams, and the current streams of the events' devices, wait for
+/// every ready event, whatever device it was recorded on.
 Batch settle(Payload payload);
 
 /// Start of a step (a forward or a backward call): every stream of every
@@ -128,13 +156,18 @@ Batch settle(Payload payload);
 /// written the input. Call on the caller's thread, before any cell runs.
 void wait_for_current_streams(const std::vector<const Lane*>& lanes);
 
-/// End of a step: the caller's current stream on every device a lane uses
-/// (and that device's default stream, where autograd assumes a grad coming
-/// from another device was produced) waits for all work queued so far on
-/// every stream of every lane. Call on the thread that returns to the caller
-/// (for backward: the one running PipeBackward, whose current stream is the
-/// one autograd takes PipeBackward's grads from), after the last cell.
-void current_streams_wait_for(const std::vector<const Lane*>& lanes);
+/// End of a step: the current stream on every device a lane uses or `also`
+/// names (and that device's default stream, where autograd assumes a grad
+/// coming from another device was produced) waits for all work queued so
+/// far on every stream of every lane and on the current streams of the
+/// devices in `also`, on every device: autograd may order a consumer on one
+/// device after the producer's stream on another. Call on the thread that
+/// returns to the caller (for backward: the one running PipeBackward, whose
+/// current stream is the one autograd takes PipeBackward's grads from),
+/// after the last cell, and after the copies that hand values back to the
+/// devices in `also`.
+void current_streams_wait_for(const std::vector<const Lane*>& lanes,
+                              const std::vector<c10::Device>& also = {});
 
 /// Records each accelerator tensor on the current stream of its device: for
 /// tensors made on a stage stream and handed to the caller (summed parameter

@@ -9,7 +9,6 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/ScopeExit.h>
 
@@ -177,8 +176,10 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
                       "or give the pipe a Gloo group");
   }
   if (ordered_ && !device_.is_cpu()) {
-    c10::impl::VirtualGuardImpl impl(device_.type());
-    side_ = impl.getStreamFromGlobalPool(device_);
+    // Never a lane's stream (take_pool_stream): an early receive waits
+    // here for its peer, and would hold back compute queued behind it.
+    side_ = take_pool_stream(device_);
+    side_held_ = hold({*side_});
   }
   // Checked before any thread starts (a constructor that throws with a
   // thread running would terminate).

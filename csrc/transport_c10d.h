@@ -345,6 +345,7 @@ class ProcessGroupTransport final : public Transport {
   bool connected_ = false;
   // Where this rank waits for receives on an accelerator (ordered mode).
   std::optional<c10::Stream> side_;
+  HeldStreams side_held_;
   int64_t microbatches_ = 0;
   std::vector<SkipRoute> routes_;
   std::optional<Mailboxes> local_;

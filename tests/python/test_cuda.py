@@ -600,3 +600,53 @@ def test_a_cpu_stage_whose_graph_reaches_the_gpu_does_not_hang(checkpoint):
     ref = copy.deepcopy(model)
     pipe = gpipe.Pipe(model, balance=[1, 1], devices=[CPU, GPU], chunks=4, checkpoint=checkpoint)
     check_step(pipe, ref, torch.randn(12, 8, dtype=torch.float64), CPU, GPU)
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity whose backward first keeps its stream busy for tens of milliseconds:
+    the grad it hands on is written late on the stage's stream."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        ballast(grad.device)
+        return grad * 1
+
+
+class Slow(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return SlowBackward.apply(x)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="fewer than 2 CUDA devices")
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_an_input_grad_consumed_on_another_gpu_than_the_output_waits_for_its_stage(checkpoint):
+    """Issue 23 item 7. A layer before the Pipe on cuda:0, run (forward and backward)
+    under a stream of its own there; the Pipe's first stage on cuda:0 writes the input's
+    grad late (``SlowBackward``), its last stage is on cuda:1. Autograd (torch 2.9+)
+    orders the layer's backward on cuda:0 after PipeBackward's stream, the current stream
+    of cuda:1: that stream must wait for the stage on cuda:0 too, or the layer reads an
+    unfinished grad."""
+    gpu1 = torch.device("cuda", 1)
+    torch.manual_seed(13)
+    pre = nn.Linear(64, 64).double().to(GPU)
+    model = nn.Sequential(Slow(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)).double()
+    ref_pre, ref = copy.deepcopy(pre), copy.deepcopy(model).to(GPU)
+    pipe = gpipe.Pipe(model, balance=[2, 2], devices=[GPU, gpu1], chunks=4,
+                      checkpoint=checkpoint)
+    x = torch.randn(32, 64, dtype=torch.float64, device=GPU)
+
+    def step() -> Tensor:
+        with torch.cuda.stream(torch.cuda.Stream(GPU)):
+            pipe(pre(x)).square().sum().backward()
+            got = pre.weight.grad.clone()
+        torch.cuda.synchronize()
+        return got
+
+    got = result(step)
+    ref(ref_pre(x)).square().sum().backward()
+    assert max_diff(got, ref_pre.weight.grad) <= TOL
+    assert_same_grads(pipe, ref)
