@@ -11,6 +11,7 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
 #include <algorithm>
@@ -563,7 +564,16 @@ Batch Engine::forward(const Batch& input, bool training) {
       for (const auto& edge : c.cut.externals) run->externals.add(edge);
     }
   }
-  auto node = std::shared_ptr<PipeBackward>(new PipeBackward(run), torch::autograd::deleteNode);
+  // The stream leaves' devices (pipe_backward.h): every accelerator a stage
+  // runs on or a leaf the stages add into lives on.
+  std::vector<c10::Device> leaf_devices;
+  for (const auto& stage : stages_) leaf_devices.push_back(stage->device());
+  for (const auto& edge : run->externals.edges()) {
+    if (const auto* acc = plain_accumulator(edge)) leaf_devices.push_back(acc->variable.device());
+  }
+  auto leaves = stream_leaf_edges(leaf_devices);
+  auto node = std::shared_ptr<PipeBackward>(new PipeBackward(run, leaves.size()),
+                                            torch::autograd::deleteNode);
   auto edges = torch::autograd::collect_next_edges(input.values);
   for (size_t v = 0; v < edges.size(); ++v) {
     bool reached = false;
@@ -573,6 +583,7 @@ Batch Engine::forward(const Batch& input, bool training) {
     if (!(connected.front() && reached)) edges[v] = torch::autograd::Edge();
   }
   for (const auto& edge : run->externals.edges()) edges.push_back(edge);
+  for (auto& edge : leaves) edges.push_back(std::move(edge));
   node->set_next_edges(std::move(edges));
   run->output_atomic = out.atomic;
   run->output_slot.assign(out.size(), -1);

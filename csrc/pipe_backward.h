@@ -18,12 +18,28 @@
 //   loss.backward():     cells -> 0.weight.grad += g(i), as each arrives
 //   hooked parameter:    PipeBackward -> sum of g(i) -> AccumulateGrad (hook once)
 //   grad(out, {x}):      PipeBackward -> x only; no .grad is touched
+//
+// Last come the stream leaves: one edge per accelerator device the stages
+// (or the leaves they add into) use, to a node with no outputs whose stream
+// is that device's default stream. Autograd counts the stream of a node
+// with no outputs as a leaf stream and, when backward() returns, makes the
+// stream that was current where backward() was called wait for it. The
+// grads gpipe adds into .grad itself never pass an AccumulateGrad node, so
+// without these a backward() under another stream than its forward's would
+// return before the stages' writes (issue 23 item 10):
+//
+//   lanes on d        B(..) .grad += g
+//   default(d)                          wait(lanes)   (current_streams_wait_for)
+//   StreamLeaf(d)                                    runs: leaf stream = default(d)
+//   caller's stream at backward()                    wait(default(d)) at backward's end
 #pragma once
 
+#include <c10/core/Device.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace gpipe::detail {
 
@@ -31,7 +47,8 @@ struct PipeRun;
 
 class PipeBackward : public torch::autograd::Node {
  public:
-  explicit PipeBackward(std::shared_ptr<PipeRun> run);
+  /// `stream_leaves`: how many of the last edges lead to stream leaves.
+  PipeBackward(std::shared_ptr<PipeRun> run, size_t stream_leaves);
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
   std::string name() const override { return "gpipe::PipeBackward"; }
@@ -39,6 +56,11 @@ class PipeBackward : public torch::autograd::Node {
 
  private:
   std::shared_ptr<PipeRun> run_;
+  size_t stream_leaves_;
 };
+
+/// Edges to one stream leaf per accelerator device in `devices` (CPU ones
+/// and repeats skipped), each made under that device's default stream.
+torch::autograd::edge_list stream_leaf_edges(const std::vector<c10::Device>& devices);
 
 }  // namespace gpipe::detail

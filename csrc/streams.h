@@ -20,7 +20,9 @@
 // default stream of the grad's device): so the second wait is every
 // device's current and default stream waiting for every lane, on every
 // device, and for the copies that take input grads home (`also` in
-// `current_streams_wait_for`).
+// `current_streams_wait_for`). A backward() called under another stream
+// than the forward's waits for the default streams through the Pipe's
+// stream leaves (pipe_backward.h).
 //
 // A hand-over between stages (a Payload carries the producer's `ready`
 // events; `receive` orders the consumer after them):

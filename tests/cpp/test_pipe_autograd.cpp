@@ -105,6 +105,18 @@ TEST_CASE("an output needs grad exactly where the plain model's does") {
   }
 }
 
+TEST_CASE("on CPU the Pipe's node has an edge per input and per parameter, and no stream leaf") {
+  // Stream leaves (pipe_backward.h) only for accelerator devices.
+  auto model = four_linears();
+  gpipe::Pipe pipe(model, PipeOptions().balance({2, 2}).chunks(2));
+  auto out = pipe->forward(randn64({4, 3}).requires_grad_());
+  REQUIRE(out.grad_fn() != nullptr);
+  CHECK(out.grad_fn()->num_outputs() == 1 + model->parameters().size());
+  for (const auto& edge : out.grad_fn()->next_edges()) {
+    CHECK((edge.function == nullptr || edge.function->name() != "gpipe::StreamLeaf"));
+  }
+}
+
 TEST_CASE("autograd::grad on the input leaves every parameter's grad alone") {
   const auto mode = GENERATE(Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never);
   INFO("checkpoint " << mode);

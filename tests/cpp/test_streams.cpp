@@ -1,5 +1,6 @@
 // test_streams.cpp — the stream orderings of streams.h on a pretend accelerator: who waits for whom at a step's start and end, and when values are handed back.
 #include "fake_accelerator.h"
+#include "pipe_backward.h"
 #include "streams.h"
 
 #include <catch2/catch.hpp>
@@ -15,6 +16,7 @@ using gpipe::detail::make_lane;
 using gpipe::detail::mark;
 using gpipe::detail::Payload;
 using gpipe::detail::settle;
+using gpipe::detail::stream_leaf_edges;
 using gpipe::detail::wait_for_current_streams;
 using gpipe_test::FakeAccelerator;
 using gpipe_test::FakeWork;
@@ -189,4 +191,30 @@ TEST_CASE("streams: when gpipe holds the whole pool, a new lane shares the least
   CHECK(lanes.back().compute != lanes.back().copy);
   CHECK(pool_stream_holds(lanes.back().compute) == 2);
   CHECK(pool_stream_holds(lanes.back().copy) == 2);
+}
+
+TEST_CASE("streams: a stream leaf per accelerator device holds that device's default stream, "
+          "whatever stream is current (issue 23 item 10)",
+          "[streams]") {
+  // Autograd makes the stream current where backward() was called wait for
+  // the stream of every node with no outputs that ran: for a leaf holding a
+  // device's default stream, which waited for every lane at the end.
+  FakeAccelerator::install();
+  const c10::StreamGuard user0(FakeAccelerator::pool_stream(0));
+  const auto edges = stream_leaf_edges(
+      {FakeAccelerator::device(0), c10::Device(c10::kCPU), FakeAccelerator::device(1),
+       FakeAccelerator::device(0)});
+  REQUIRE(edges.size() == 2);  // CPU and repeats skipped
+  for (size_t e = 0; e < edges.size(); ++e) {
+    const auto d = static_cast<c10::DeviceIndex>(e);
+    auto& leaf = *edges[e].function;
+    CHECK(leaf.name() == "gpipe::StreamLeaf");
+    CHECK(leaf.num_outputs() == 0);
+    REQUIRE(leaf.num_inputs() == 1);
+    CHECK(leaf.input_metadata(0).device() == FakeAccelerator::device(d));
+    CHECK(leaf.input_metadata(0).stream() == FakeAccelerator::default_stream(d));
+    const auto shape = leaf.input_metadata(0).shape_as_dim_vector();
+    CHECK((shape.size() == 1 && shape[0] == 0));
+    CHECK(leaf({}).empty());
+  }
 }

@@ -650,3 +650,33 @@ def test_an_input_grad_consumed_on_another_gpu_than_the_output_waits_for_its_sta
     ref(ref_pre(x)).square().sum().backward()
     assert max_diff(got, ref_pre.weight.grad) <= TOL
     assert_same_grads(pipe, ref)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_backward_under_another_stream_than_forward_waits_for_the_stages(checkpoint):
+    """Issue 23 item 10. Forward under the default stream, ``backward()`` under a stream
+    of its own, and the grads read there right after it returns, with no synchronisation.
+    The stages add the grads into ``.grad`` themselves (no AccumulateGrad node runs),
+    late (``SlowBackward`` in the last stage): the stream current at ``backward()`` must
+    wait for them (the Pipe's stream leaves, csrc/pipe_backward.h)."""
+    torch.manual_seed(14)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), Slow(),
+                          nn.Linear(64, 8)).double()
+    ref = copy.deepcopy(model).to(GPU)
+    pipe = gpipe.Pipe(model, balance=[2, 3], devices=[GPU, GPU], chunks=4, checkpoint=checkpoint)
+    x = torch.randn(32, 64, dtype=torch.float64, device=GPU)
+
+    def step() -> List[Tensor]:
+        loss = pipe(x).square().sum()
+        side = torch.cuda.Stream(GPU)
+        side.wait_stream(torch.cuda.current_stream(GPU))  # the loss is ready there
+        with torch.cuda.stream(side):
+            loss.backward()
+            grads = [p.grad.clone() for p in pipe.parameters()]
+        torch.cuda.synchronize()
+        return grads
+
+    got = result(step)
+    ref(x).square().sum().backward()
+    for k, (g, p) in enumerate(zip(got, ref.parameters())):
+        assert max_diff(g, p.grad) <= TOL, f"parameter {k}"
