@@ -565,11 +565,15 @@ Batch Engine::forward(const Batch& input, bool training) {
     }
   }
   // The stream leaves' devices (pipe_backward.h): every accelerator a stage
-  // runs on or a leaf the stages add into lives on.
+  // runs on or a leaf the stages add into lives on (none for CPU stages).
   std::vector<c10::Device> leaf_devices;
-  for (const auto& stage : stages_) leaf_devices.push_back(stage->device());
-  for (const auto& edge : run->externals.edges()) {
-    if (const auto* acc = plain_accumulator(edge)) leaf_devices.push_back(acc->variable.device());
+  for (const auto& stage : stages_) {
+    if (!stage->device().is_cpu()) leaf_devices.push_back(stage->device());
+  }
+  if (!leaf_devices.empty()) {
+    for (const auto& edge : run->externals.edges()) {
+      if (const auto* acc = plain_accumulator(edge)) leaf_devices.push_back(acc->variable.device());
+    }
   }
   auto leaves = stream_leaf_edges(leaf_devices);
   auto node = std::shared_ptr<PipeBackward>(new PipeBackward(run, leaves.size()),
