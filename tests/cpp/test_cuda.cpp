@@ -966,6 +966,46 @@ TEST_CASE("cuda: grads read on the current stream right after backward equal the
   }
 }
 
+TEST_CASE("cuda: backward() under another stream than the forward's returns after the stages' "
+          "grads (the stream leaves)",
+          "[cuda]") {
+  if (!cuda_or_skip()) return;
+  // Issue 23 item 10. The forward runs under the default stream, backward()
+  // and the clones of the grads under a stream of their own: the stages add
+  // the grads into .grad themselves (no AccumulateGrad node runs), so only
+  // the Pipe's stream leaves order that stream after them. Wide float64
+  // layers keep the GPU busy well after the host returns.
+  torch::manual_seed(15);
+  using namespace torch::nn;
+  Sequential model(Linear(64, 2048), Tanh(), Linear(2048, 2048), Tanh(), Linear(2048, 2048),
+                   Tanh(), Linear(2048, 8));
+  model->to(torch::kFloat64);
+  auto ref = deep_copy(model);  // stays on the CPU
+  gpipe::Pipe pipe(model, PipeOptions().balance({2, 2, 2, 1}).devices({kGpu, kGpu, kGpu, kGpu})
+                              .chunks(8)
+                              .checkpoint(Checkpoint::Never));
+  const auto x = randn64({2048, 64});
+  const auto got = within_deadline(
+      [&] {
+        auto loss = pipe->forward(x).pow(2).mean();
+        const c10::Stream side = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, 0);
+        c10::Event loss_ready(c10::DeviceType::CUDA);
+        loss_ready.record(c10::Stream(c10::Stream::DEFAULT, kGpu));
+        loss_ready.block(side);
+        c10::StreamGuard on_side(side);
+        loss.backward();
+        return grads_now(*pipe);  // no synchronisation
+      },
+      kDeadline);
+  ref->forward(x).pow(2).mean().backward();
+  const auto want = grads_now(*ref);
+  REQUIRE(got.size() == want.size());
+  for (size_t k = 0; k < want.size(); ++k) {
+    INFO("parameter " << k);
+    CHECK(max_abs_diff_anywhere(got[k], want[k]) <= kTolerance);
+  }
+}
+
 TEST_CASE("cuda: CPU and cuda:0 stages: the CPU stage's backward overlaps the GPU stage's",
           "[cuda]") {
   if (!cuda_or_skip()) return;
