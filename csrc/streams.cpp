@@ -64,10 +64,6 @@ c10::Stream source_stream(const Lane& lane, c10::Device source) {
   return impl.getStream(source);
 }
 
-}  // namespace
-
-namespace {
-
 // How often take_pool_stream draws before it shares: the pool's size on
 // CUDA (and XPU); a smaller pool only repeats its streams sooner.
 constexpr int kPoolDraws = 32;
