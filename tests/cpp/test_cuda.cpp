@@ -279,6 +279,16 @@ std::vector<torch::Tensor> grads_now(const torch::nn::Module& module) {
   return out;
 }
 
+/// Wide float64 layers: the GPU is still running a step's backward when the
+/// host returns from it.
+torch::nn::Sequential wide_mlp() {
+  using namespace torch::nn;
+  Sequential model(Linear(64, 2048), Tanh(), Linear(2048, 2048), Tanh(), Linear(2048, 2048),
+                   Tanh(), Linear(2048, 8));
+  model->to(torch::kFloat64);
+  return model;
+}
+
 /// The events of `stage` and `phase`, by start time.
 std::vector<gpipe::TraceEvent> events_of(const gpipe::Trace& trace, int64_t stage,
                                          gpipe::TracePhase phase) {
@@ -931,10 +941,7 @@ TEST_CASE("cuda: grads read on the current stream right after backward equal the
   // host returns from it, so a clone on the current stream that is not
   // ordered after the stages reads half-written grads.
   torch::manual_seed(12);
-  using namespace torch::nn;
-  Sequential model(Linear(64, 2048), Tanh(), Linear(2048, 2048), Tanh(), Linear(2048, 2048),
-                   Tanh(), Linear(2048, 8));
-  model->to(torch::kFloat64);
+  auto model = wide_mlp();
   auto ref = deep_copy(model);  // stays on the CPU
   gpipe::Pipe pipe(model,
                    PipeOptions().balance({2, 2, 2, 1}).devices(devices).chunks(8).checkpoint(
@@ -976,10 +983,7 @@ TEST_CASE("cuda: backward() under another stream than the forward's returns afte
   // the Pipe's stream leaves order that stream after them. Wide float64
   // layers keep the GPU busy well after the host returns.
   torch::manual_seed(15);
-  using namespace torch::nn;
-  Sequential model(Linear(64, 2048), Tanh(), Linear(2048, 2048), Tanh(), Linear(2048, 2048),
-                   Tanh(), Linear(2048, 8));
-  model->to(torch::kFloat64);
+  auto model = wide_mlp();
   auto ref = deep_copy(model);  // stays on the CPU
   gpipe::Pipe pipe(model, PipeOptions().balance({2, 2, 2, 1}).devices({kGpu, kGpu, kGpu, kGpu})
                               .chunks(8)
