@@ -124,12 +124,13 @@ c10::Stream take_pool_stream(c10::Device device, bool high_priority) {
 }
 
 HeldStreams hold(std::vector<c10::Stream> taken) {
-  auto* streams = new std::vector<c10::Stream>(std::move(taken));
-  return HeldStreams(streams, [](const void* p) {
-    const auto* streams = static_cast<const std::vector<c10::Stream>*>(p);
-    give_back(*streams);
-    delete streams;
-  });
+  struct Held {
+    std::vector<c10::Stream> streams;
+    ~Held() { give_back(streams); }
+  };
+  auto held = std::make_shared<Held>();  // made in place: no copy gives them back early
+  held->streams = std::move(taken);
+  return held;
 }
 
 int pool_stream_holds(const c10::Stream& stream) {
