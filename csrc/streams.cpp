@@ -39,6 +39,14 @@ at::Tensor moved(const at::Tensor& t, c10::Device device, bool non_blocking) {
   return out;
 }
 
+// Appends `x` unless `list` holds it already; whether it did.
+template <typename T>
+bool add_once(std::vector<T>& list, const T& x) {
+  if (std::find(list.begin(), list.end(), x) != list.end()) return false;
+  list.push_back(x);
+  return true;
+}
+
 // Every accelerator stream of a lane: compute, copy and the source copy
 // streams (a CPU lane has only the last).
 std::vector<c10::Stream> streams_of(const Lane& lane) {
@@ -48,9 +56,7 @@ std::vector<c10::Stream> streams_of(const Lane& lane) {
     if (lane.copy != lane.compute) out.push_back(lane.copy);
   }
   if (lane.sources) {
-    for (const auto& s : lane.sources->all()) {
-      if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
-    }
+    for (const auto& s : lane.sources->all()) add_once(out, s);
   }
   return out;
 }
@@ -72,11 +78,9 @@ struct Holds {
   std::mutex mutex;
   std::vector<std::pair<c10::Stream, int>> counts;  // only streams held now
 
-  int* find(const c10::Stream& s) {
-    for (auto& [stream, n] : counts) {
-      if (stream == s) return &n;
-    }
-    return nullptr;
+  std::vector<std::pair<c10::Stream, int>>::iterator find(const c10::Stream& s) {
+    return std::find_if(counts.begin(), counts.end(),
+                        [&s](const auto& entry) { return entry.first == s; });
   }
 };
 
@@ -89,12 +93,8 @@ void give_back(const std::vector<c10::Stream>& taken) {
   auto& h = holds();
   std::lock_guard<std::mutex> lock(h.mutex);
   for (const auto& s : taken) {
-    int* n = h.find(s);
-    if (n == nullptr) continue;
-    if (--*n == 0) {
-      h.counts.erase(std::find_if(h.counts.begin(), h.counts.end(),
-                                  [&s](const auto& entry) { return entry.first == s; }));
-    }
+    const auto it = h.find(s);
+    if (it != h.counts.end() && --it->second == 0) h.counts.erase(it);
   }
 }
 
@@ -108,18 +108,18 @@ c10::Stream take_pool_stream(c10::Device device, bool high_priority) {
   int least_holds = 0;
   for (int draw = 0; draw < kPoolDraws; ++draw) {
     const c10::Stream s = impl.getStreamFromGlobalPool(device, high_priority);
-    int* n = h.find(s);
-    if (n == nullptr) {
+    const auto it = h.find(s);
+    if (it == h.counts.end()) {
       h.counts.emplace_back(s, 1);
       return s;
     }
-    if (!least || *n < least_holds) {
+    if (!least || it->second < least_holds) {
       least = s;
-      least_holds = *n;
+      least_holds = it->second;
     }
   }
   // gpipe holds every stream of the pool: share the least-held one.
-  ++*h.find(*least);
+  ++h.find(*least)->second;
   return *least;
 }
 
@@ -136,8 +136,8 @@ HeldStreams hold(std::vector<c10::Stream> taken) {
 int pool_stream_holds(const c10::Stream& stream) {
   auto& h = holds();
   std::lock_guard<std::mutex> lock(h.mutex);
-  const int* n = h.find(stream);
-  return n == nullptr ? 0 : *n;
+  const auto it = h.find(stream);
+  return it == h.counts.end() ? 0 : it->second;
 }
 
 SourceStreams::~SourceStreams() { give_back(streams_); }
@@ -184,8 +184,7 @@ Payload from_current_streams(Batch batch) {
   for (const auto& t : batch.values) {
     if (!on_accelerator(t)) continue;
     const auto device = t.device();
-    if (std::find(seen.begin(), seen.end(), device) != seen.end()) continue;
-    seen.push_back(device);
+    if (!add_once(seen, device)) continue;
     c10::impl::VirtualGuardImpl impl(device.type());
     auto events = mark(impl.getStream(device));
     payload.ready.insert(payload.ready.end(), events.begin(), events.end());
@@ -241,10 +240,7 @@ Batch receive(Payload payload, const Lane& lane, Span* copy) {
       // copy). The source is recorded there: its producer may free it
       // meanwhile, and the allocator must not reuse it before the copy ran.
       const c10::Stream source = source_stream(lane, t.device());
-      if (std::find(ordered.begin(), ordered.end(), source) == ordered.end()) {
-        wait_all(payload.ready, source);
-        ordered.push_back(source);
-      }
+      if (add_once(ordered, source)) wait_all(payload.ready, source);
       record_on(t, source);
       c10::StreamGuard on_source(source);
       t = moved(t, lane.device, /*non_blocking=*/true);
@@ -262,14 +258,9 @@ Batch settle(Payload payload) {
   // stage's sums of a leaf's grads live on the leaf's device): every such
   // stream waits for every event (a wait on another device's event is legal).
   std::vector<c10::Device> devices;
-  auto note = [&devices](c10::Device d) {
-    if (!d.is_cpu() && std::find(devices.begin(), devices.end(), d) == devices.end()) {
-      devices.push_back(d);
-    }
-  };
-  for (const auto& ev : payload.ready) note(ev->device());
+  for (const auto& ev : payload.ready) add_once(devices, ev->device());
   for (const auto& t : payload.batch.values) {
-    if (on_accelerator(t)) note(t.device());
+    if (on_accelerator(t)) add_once(devices, t.device());
   }
   for (const auto& device : devices) {
     c10::impl::VirtualGuardImpl impl(device.type());
@@ -320,17 +311,14 @@ void current_streams_wait_for(const std::vector<const Lane*>& lanes,
   //   cur(d1) = PipeBackward's stream   wait(e0) wait(e1) rec(done)
   //   consumer of x.grad on d0                          wait(done) ...
   std::vector<c10::Stream> streams;
-  auto add = [&streams](const c10::Stream& s) {
-    if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
-  };
   for (const Lane* lane : lanes) {
     if (lane == nullptr) continue;
-    for (const auto& s : streams_of(*lane)) add(s);
+    for (const auto& s : streams_of(*lane)) add_once(streams, s);
   }
   for (const auto& device : also) {
     if (device.is_cpu()) continue;
     c10::impl::VirtualGuardImpl impl(device.type());
-    add(impl.getStream(device));
+    add_once(streams, impl.getStream(device));
   }
   std::vector<c10::Device> devices;
   std::vector<c10::Event> events;
@@ -338,9 +326,7 @@ void current_streams_wait_for(const std::vector<const Lane*>& lanes,
   for (const auto& s : streams) {
     events.emplace_back(s.device_type());
     events.back().record(s);
-    if (std::find(devices.begin(), devices.end(), s.device()) == devices.end()) {
-      devices.push_back(s.device());
-    }
+    add_once(devices, s.device());
   }
   for (const auto& device : devices) {
     c10::impl::VirtualGuardImpl impl(device.type());
