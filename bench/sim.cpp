@@ -44,7 +44,11 @@
 // traced cells" divides instead by `simulate` with each kind of task costing
 // the mean its cells took in one traced step of the same Pipe (naps run
 // long on a busy VM): what the schedule and the engine lose, apart from
-// this machine's timers.
+// this machine's timers. "bare" runs each schedule's plan again with bare
+// threads (`bare_plan_time`: the same naps and hand-offs, no torch, no
+// engine), interleaved with the Pipes' steps: "bare vs perfect" is the most
+// any engine could show on this machine, "eff vs bare" what gpipe keeps of
+// it.
 #include <gpipe/gpipe.h>
 
 #include <torch/torch.h>
@@ -55,8 +59,11 @@
 #include <sys/prctl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -253,6 +260,72 @@ double measured_nap(double seconds, int n) {
   return bench::seconds_since(start) / n;
 }
 
+// The same plan run by bare threads, without torch or the engine: worker w
+// naps each task of its list in order for the task's cost in the naps'
+// unit (forward = 1 unit of t/v, I = W = 1, B = 2), after waiting for the
+// task's inputs as the engine's receivers do (spin 50 us, then park;
+// transport.cpp). Its step time is what these naps, 8 threads of them on
+// this machine's cores and plain hand-offs cost any engine running the
+// plan: "bare vs perfect" is the most the engine could show here.
+double bare_plan_time(const gpipe::detail::Plan& plan, double unit) {
+  using gpipe::detail::Op;
+  const auto stages = plan.stages;
+  const auto m = plan.microbatches;
+  const auto cell = [m](int64_t stage, int64_t mb) { return static_cast<size_t>(stage * m + mb); };
+  // forwarded[s, i]: F(s, i) is done; graded[s, i]: B(s, i) or I(s, i) is.
+  std::vector<std::atomic<bool>> forwarded(static_cast<size_t>(stages * m));
+  std::vector<std::atomic<bool>> graded(static_cast<size_t>(stages * m));
+  struct Box {
+    std::mutex mutex;
+    std::condition_variable arrived;
+    std::atomic<int> parked{0};
+  };
+  std::vector<Box> boxes(static_cast<size_t>(plan.workers));
+  auto wait = [&](int64_t worker, const std::atomic<bool>& flag) {
+    if (flag.load()) return;
+    const auto until = bench::Clock::now() + std::chrono::microseconds(50);
+    while (!flag.load() && bench::Clock::now() < until) std::this_thread::yield();
+    if (flag.load()) return;
+    auto& box = boxes[static_cast<size_t>(worker)];
+    std::unique_lock<std::mutex> hold(box.mutex);
+    box.parked.fetch_add(1);
+    box.arrived.wait(hold, [&] { return flag.load(); });
+    box.parked.fetch_sub(1);
+  };
+  auto post = [&](int64_t worker, std::atomic<bool>& flag) {
+    flag.store(true);
+    auto& box = boxes[static_cast<size_t>(worker)];
+    if (box.parked.load() > 0) {
+      { std::lock_guard<std::mutex> hold(box.mutex); }
+      box.arrived.notify_all();
+    }
+  };
+  const auto start = bench::Clock::now();
+  std::vector<std::thread> threads;
+  for (int64_t w = 0; w < plan.workers; ++w) {
+    threads.emplace_back([&, w] {
+      for (const auto& task : plan.lists[static_cast<size_t>(w)]) {
+        const auto s = task.stage, i = task.microbatch;
+        if (task.op == Op::F) {
+          if (s > 0) wait(w, forwarded[cell(s - 1, i)]);
+          nap(unit);
+          if (s + 1 < stages) post(plan.worker_of(s + 1), forwarded[cell(s, i)]);
+          else forwarded[cell(s, i)].store(true);
+        } else if (task.op == Op::W) {
+          nap(unit);  // after I(s, i), earlier in this worker's list
+        } else {
+          wait(w, forwarded[cell(s, i)]);
+          if (s + 1 < stages) wait(w, graded[cell(s + 1, i)]);
+          nap(task.op == Op::B ? 2 * unit : unit);
+          if (s > 0) post(plan.worker_of(s - 1), graded[cell(s, i)]);
+        }
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  return bench::seconds_since(start);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -338,12 +411,19 @@ int main(int argc, char** argv) {
   const gpipe::PipeImpl::LossFn loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) {
     return (out - y).sum();
   };
+  std::vector<gpipe::detail::Plan> plans;
+  for (const auto& c : kScheduleCases) plans.push_back(gpipe::detail::make_plan(c.kind, sk, c.v, sm));
   std::vector<std::vector<double>> sched_times(kScheduleCases.size());
+  std::vector<std::vector<double>> bare_times(kScheduleCases.size());
   for (int r = 0; r < warmup + sched_reps; ++r) {
     for (size_t i = 0; i < pipes.size(); ++i) {
       const double s =
           bench::time_runs([&] { pipes[i]->train_step(sx, target, loss_fn); }, 0, 1).front();
-      if (r >= warmup) sched_times[i].push_back(s);
+      const double bare = bare_plan_time(plans[i], t / static_cast<double>(kScheduleCases[i].v));
+      if (r >= warmup) {
+        sched_times[i].push_back(s);
+        bare_times[i].push_back(bare);
+      }
     }
   }
   std::printf(
@@ -355,11 +435,11 @@ int main(int argc, char** argv) {
       static_cast<double>(sm) * 3 * t * 1e3);
   bench::Table sched_table({"schedule", "v", "measured ms", "bound ms", "simulate ms",
                             "bound/perfect", "simulate/perfect", "eff vs perfect",
-                            "eff vs bound", "eff vs traced cells", "sim bubble",
-                            "peak in flight"});
+                            "eff vs bound", "eff vs traced cells", "bare ms", "bare vs perfect",
+                            "eff vs bare", "sim bubble", "peak in flight"});
   struct SchedRow {
     std::string name;
-    double efficiency, vs_perfect, simulated, vs_traced_cells;
+    double efficiency, vs_perfect, simulated, vs_traced_cells, bare_vs_perfect;
   };
   std::vector<SchedRow> sched_rows;
   const double perfect = static_cast<double>(sm) * 3 * t;
@@ -368,7 +448,7 @@ int main(int argc, char** argv) {
     const double measured = bench::median(sched_times[i]);
     const double bound = bound_of(c, sk, sm);
     const double v = static_cast<double>(c.v);
-    const auto plan = gpipe::detail::make_plan(c.kind, sk, c.v, sm);
+    const auto& plan = plans[i];
     const auto simulation = gpipe::detail::simulate(plan, {1 / v, 2 / v, 1 / v, 1 / v});
     const double simulated = static_cast<double>(sm) * 3 / simulation.makespan;
     int64_t peak = 0;
@@ -379,15 +459,17 @@ int main(int argc, char** argv) {
     const double real_makespan =
         gpipe::detail::simulate(plan, traced_costs(pipes[i], sx, target, loss_fn)).makespan;
     const double vs_perfect = perfect / measured;
+    const double bare = bench::median(bare_times[i]);
     sched_rows.push_back({c.name, vs_perfect / bound, vs_perfect, simulated,
-                          real_makespan / measured});
+                          real_makespan / measured, perfect / bare});
     sched_table.add({c.name, std::to_string(c.v), bench::fixed(measured * 1e3, 1),
                      bench::fixed(perfect / bound * 1e3, 1),
                      bench::fixed(simulation.makespan * t * 1e3, 1), bench::fixed(bound, 3),
                      bench::fixed(simulated, 3), bench::fixed(vs_perfect, 3),
                      bench::fixed(vs_perfect / bound, 3),
-                     bench::fixed(real_makespan / measured, 3), bench::fixed(simulation.bubble, 3),
-                     std::to_string(peak)});
+                     bench::fixed(real_makespan / measured, 3), bench::fixed(bare * 1e3, 1),
+                     bench::fixed(perfect / bare, 3), bench::fixed(bare / measured, 3),
+                     bench::fixed(simulation.bubble, 3), std::to_string(peak)});
   }
   sched_table.print();
   std::printf("\n");
@@ -401,9 +483,11 @@ int main(int argc, char** argv) {
   for (const auto& r : sched_rows) {
     std::printf(
         "BENCH sim schedule=%s K=%lld M=%lld efficiency=%.3f efficiency_vs_perfect=%.3f "
-        "simulated_vs_perfect=%.3f efficiency_vs_traced_cells=%.3f\n",
+        "simulated_vs_perfect=%.3f efficiency_vs_traced_cells=%.3f bare_vs_perfect=%.3f "
+        "efficiency_vs_bare=%.3f\n",
         r.name.c_str(), static_cast<long long>(sk), static_cast<long long>(sm), r.efficiency,
-        r.vs_perfect, r.simulated, r.vs_traced_cells);
+        r.vs_perfect, r.simulated, r.vs_traced_cells, r.bare_vs_perfect,
+        r.vs_perfect / r.bare_vs_perfect);
   }
   // ZB-V's plan against 1F1B's memory: 2K stages of half the work, so its pairs in flight
   // count half a stage each.
