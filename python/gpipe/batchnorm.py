@@ -58,8 +58,8 @@ class DeferredBatchNorm(_BatchNorm):
         self._reset_sums()
 
     def _reset_sums(self) -> None:
-        self._sum: Optional[torch.Tensor] = None
-        self._sum_sq: Optional[torch.Tensor] = None
+        self._mean: Optional[torch.Tensor] = None
+        self._m2: Optional[torch.Tensor] = None
         self._count = 0
         self._seen = 0
 
@@ -84,23 +84,33 @@ class DeferredBatchNorm(_BatchNorm):
 
     @torch.no_grad()
     def _track(self, input: torch.Tensor) -> None:
+        # Each micro-batch's count, mean and sum of squares about its own mean,
+        # merged into the mini-batch's (Chan et al.'s pairwise update): no
+        # E[x²] − E[x]², which loses every digit of a variance far below the
+        # squared mean. Half precision accumulates in float32, as BatchNorm's.
         dims = [0] + list(range(2, input.dim()))
         x = input.detach()
-        s = x.sum(dims)
-        sq = (x * x).sum(dims)
-        self._sum = s if self._sum is None else self._sum + s
-        self._sum_sq = sq if self._sum_sq is None else self._sum_sq + sq
-        self._count += x.numel() // x.size(1)
+        x = x.to(torch.promote_types(x.dtype, torch.float32))
+        count = x.numel() // x.size(1)
+        mean = x.mean(dims)
+        m2 = (x - mean.view([1, -1] + [1] * (x.dim() - 2))).pow(2).sum(dims)
+        if self._mean is None or self._m2 is None:
+            self._mean, self._m2 = mean, m2
+        else:
+            total = self._count + count
+            delta = mean - self._mean
+            self._mean = self._mean + delta * (count / total)
+            self._m2 = self._m2 + m2 + delta * delta * (self._count * count / total)
+        self._count += count
         self._seen += 1
         if self._seen >= self.microbatches:
             self._commit()
 
     def _commit(self) -> None:
-        assert self._sum is not None and self._sum_sq is not None
+        assert self._mean is not None and self._m2 is not None
         n = self._count
-        mean = self._sum / n
-        var = (self._sum_sq / n - mean * mean).clamp_min(0)
-        unbiased = var * (n / max(n - 1, 1))
+        mean = self._mean
+        unbiased = self._m2 / max(n - 1, 1)
         self.num_batches_tracked += 1
         if self.momentum is None:
             factor = 1.0 / float(self.num_batches_tracked)
@@ -114,7 +124,9 @@ class DeferredBatchNorm(_BatchNorm):
     def convert(cls, module: nn.Module, microbatches: int = 1) -> nn.Module:
         """Returns ``module`` with every BatchNorm (1d, 2d, 3d) replaced, in
         place, by a DeferredBatchNorm holding the same parameters and buffers
-        (a BatchNorm passed itself is returned converted). ``gpipe.Pipe``
+        (a BatchNorm passed itself is returned converted). A DeferredBatchNorm
+        for ``microbatches`` stays as it is; one for another count is replaced
+        by one for ``microbatches``, as torchgpipe's. ``gpipe.Pipe``
         leaves its caller's model alone instead (converted copies of the BatchNorms and of the containers holding them)."""
         return _convert(cls, module, microbatches, in_place=True)
 
@@ -153,8 +165,11 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
 
 
 def _convert(cls: type, module: nn.Module, microbatches: int, in_place: bool) -> nn.Module:
+    # The public convert (in place) gives a DeferredBatchNorm for another count a new one
+    # for this count, as torchgpipe's does; the Pipe's copy leaves it be (it calls begin()).
+    deferred = isinstance(module, DeferredBatchNorm)
     if isinstance(module, _BatchNorm) and module.track_running_stats and \
-            not isinstance(module, DeferredBatchNorm):
+            (not deferred or (in_place and module.microbatches != microbatches)):
         return _converted_batch_norm(cls, module, microbatches)
     converted = {name: _convert(cls, child, microbatches, in_place)
                  for name, child in module.named_children()}

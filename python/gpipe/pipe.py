@@ -369,9 +369,16 @@ _READ_ONLY = ("pipe.partitions is a read-only view of the Pipe's stages: changin
               "instead")
 
 
+_HOOK_NEVER_RUNS = ("a hook on pipe.partitions would never run: the Pipe runs each stage's "
+                    "layers, not this view (built anew at each access); register it on a layer "
+                    "instead, e.g. pipe.partitions[j][-1].register_forward_hook(...) sees stage "
+                    "j's output, pipe.partitions[j][0]'s pre-hook its input")
+
+
 class _ReadOnlyView:
-    """Refuses, once built, what would add, replace or remove a child, or move a
-    stage to another device (its layers are the Pipe's own objects)."""
+    """Refuses, once built, what would add, replace or remove a child, move a
+    stage to another device (its layers are the Pipe's own objects), or hook a
+    view that never runs."""
 
     _device: Optional[torch.device] = None
 
@@ -401,6 +408,13 @@ class _ReadOnlyView:
 
     def insert(self, index: int, module: nn.Module) -> None:
         raise TypeError(_READ_ONLY)
+
+    def _refuse_hook(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(_HOOK_NEVER_RUNS)
+
+    register_forward_hook = register_forward_pre_hook = _refuse_hook
+    register_full_backward_hook = register_full_backward_pre_hook = _refuse_hook
+    register_backward_hook = _refuse_hook
 
     def _apply(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         # Casting (.double()) applies to the Pipe's layers as pipe.double() would;

@@ -181,3 +181,21 @@ def test_nested_batch_norm_is_converted():
 
     diffs = train_both(make, bn1d_input, 12, steps=3, deferred=True, balance=[1, 2])
     assert max(diffs) <= STATS_TOL, diffs
+
+
+def test_running_variance_stays_exact_in_float32_far_from_zero():
+    """Inputs whose mean is far above their spread (1e4 against 1): the running
+    variance must come from centred sums, as plain BatchNorm's does; E[x²] − E[x]²
+    in float32 loses every digit of it."""
+    torch.manual_seed(5)
+    seq = nn.Sequential(nn.BatchNorm1d(3, momentum=1.0))
+    ref = copy.deepcopy(seq)
+    pipe = gpipe.Pipe(seq, balance=[1], chunks=4, checkpoint="never", deferred_batch_norm=True)
+    x = torch.randn(64, 3) + 1e4
+    ref(x)
+    pipe(x)
+    want = x.double().var(0)  # momentum 1: the running variance is this mini-batch's
+    assert torch.allclose(ref[0].running_var.double(), want, rtol=1e-3)
+    assert torch.allclose(pipe[0].running_var.double(), want, rtol=1e-3), \
+        (pipe[0].running_var, want)
+    assert torch.allclose(pipe[0].running_mean.double(), x.double().mean(0), rtol=1e-6)

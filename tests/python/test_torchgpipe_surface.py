@@ -71,6 +71,25 @@ def test_partitions_is_read_only() -> None:
     assert [len(p) for p in pipe.partitions] == [2, 1, 2]
 
 
+def test_hooks_on_partitions_are_refused_naming_the_layer_to_hook() -> None:
+    # torchgpipe runs each partition's Sequential, so its hooks fire; gpipe runs the
+    # layers, and the view is rebuilt at each access: a hook on it would never run.
+    pipe = gpipe.Pipe(model(), balance=[2, 1, 2], devices="cpu")
+    parts = pipe.partitions
+    hook = lambda *args: None  # noqa: E731
+    for register in (parts[0].register_forward_hook, parts[0].register_forward_pre_hook,
+                     parts[1].register_full_backward_hook,
+                     parts[1].register_full_backward_pre_hook, parts[2].register_backward_hook,
+                     parts.register_forward_hook):
+        with pytest.raises(TypeError, match=r"never run.*pipe\.partitions\[j\]\[-1\]"):
+            register(hook)
+    # On a layer it runs, as on the plain model's.
+    seen = []
+    parts[0][-1].register_forward_hook(lambda m, i, o: seen.append(o.shape[0]))
+    pipe(torch.randn(6, 4, dtype=torch.float64))
+    assert sum(seen) == 6
+
+
 def test_partitions_refuses_moving_a_stage() -> None:
     pipe = gpipe.Pipe(model(), balance=[2, 1, 2], devices="cpu")
     with pytest.raises(TypeError, match="denied to move"):
@@ -286,6 +305,32 @@ def test_convert_deferred_batch_norm_is_convert() -> None:
     for name, value in a.state_dict().items():
         assert torch.equal(value, b.state_dict()[name]), name
     assert int(b[3].num_batches_tracked) == 3
+
+
+def test_converting_a_deferred_batch_norm_again_changes_its_chunks() -> None:
+    # torchgpipe: the same count returns the module itself; another count gives a new one
+    # for that count (sharing the tensors), so a model converted for 4 micro-batches and
+    # converted again for 5 commits its statistics after 5, not 4.
+    dbn = DeferredBatchNorm(3, chunks=4)
+    assert DeferredBatchNorm.convert_deferred_batch_norm(dbn, chunks=4) is dbn
+    again = DeferredBatchNorm.convert_deferred_batch_norm(dbn, chunks=5)
+    assert again is not dbn and isinstance(again, DeferredBatchNorm)
+    assert again.chunks == 5 and dbn.chunks == 4
+    assert again.weight is dbn.weight and again.bias is dbn.bias
+    assert again.running_mean is dbn.running_mean and again.running_var is dbn.running_var
+    seq = nn.Sequential(nn.Linear(2, 3), DeferredBatchNorm(3, chunks=2))
+    old = seq[1]
+    assert DeferredBatchNorm.convert(seq, 3) is seq  # in place, as torchgpipe
+    assert seq[1] is not old and seq[1].microbatches == 3 and seq[1].weight is old.weight
+    # Trained alone on 3 micro-batches, it commits once, after the third.
+    x = torch.randn(6, 2)
+    for part in x.chunk(3):
+        seq(part)
+    assert int(seq[1].num_batches_tracked) == 1
+    ref = nn.BatchNorm1d(3)
+    ref(seq[0](x))
+    assert torch.allclose(seq[1].running_mean, ref.running_mean, atol=1e-6)
+    assert torch.allclose(seq[1].running_var, ref.running_var, atol=1e-6)
 
 
 # 4. tied weights across devices ------------------------------------------------------------------
