@@ -1,10 +1,11 @@
 // sim.cpp — schedule efficiency on simulated devices: layers that sleep t in forward and 2t in backward.
 //
-//   bench_sim [--quick] [--schedules]
+//   bench_sim [--quick] [--schedules] [--devices K]
 //
 // --schedules runs only the schedules' section (train_step at K=8, M=32;
-// about 20 s): what tests/gpu/run.sh runs on a host with a core per
-// simulated device.
+// about 25 s): what tests/gpu/run.sh runs on a host with a core per
+// simulated device. --devices K runs that section at K devices instead
+// (K=2 on a 2-core machine gives each simulated device a core).
 //
 // Each stage holds one sleep layer (layers per stage L = 1): its forward
 // sleeps t, its backward 2t, like a device busy with kernels while the CPU
@@ -331,7 +332,21 @@ double bare_plan_time(const gpipe::detail::Plan& plan, double unit) {
 int main(int argc, char** argv) {
   const bool quick = bench::quick(argc, argv);
   bool schedules_only = false;
-  for (int i = 1; i < argc; ++i) schedules_only |= std::string(argv[i]) == "--schedules";
+  int64_t devices = 0;  // --devices K: the schedules' K (default: the largest K below)
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    schedules_only |= arg == "--schedules";
+    if (arg == "--devices" && i + 1 < argc) devices = std::stoll(argv[++i]);
+    else if (arg == "--devices") {
+      std::fprintf(stderr, "bench_sim: --devices needs a count, e.g. --devices 2\n");
+      return 2;
+    }
+  }
+  if (devices < 0) {
+    std::fprintf(stderr, "bench_sim: --devices %lld: give a count of 1 or more\n",
+                 static_cast<long long>(devices));
+    return 2;
+  }
   // Timer slack is per thread and inherited at thread creation: set it
   // before any Pipe (and its workers) exists.
   const bool slack_set = prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL) == 0;
@@ -401,7 +416,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- schedules: train_step at the largest K and M -------------------------------------
-  const int64_t sk = ks.back();
+  const int64_t sk = devices > 0 ? devices : ks.back();
   const int64_t sm = ms.back();
   const int sched_reps = quick ? 2 : 9;
   std::vector<gpipe::Pipe> pipes;
