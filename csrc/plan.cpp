@@ -155,7 +155,10 @@ Split check_structure(const Plan& plan) {
       if (b && (in || wt)) {
         throw std::invalid_argument(task(Op::B) + " and " + task(in ? Op::I : Op::W) +
                                     " both appear; a backward runs whole (B) or split "
-                                    "(I then W), not both");
+                                    "(I then W), not both" +
+                                    std::string(in ? "" : " (older torch.distributed.pipelining "
+                                                "tables wrote the input half as B: write that "
+                                                "B as I)"));
       }
       if (!b && !in && !wt) throw std::invalid_argument(task(Op::B) + " is missing" + need);
       if (!b && !in) throw std::invalid_argument(task(Op::I) + " is missing" + need);
@@ -667,6 +670,32 @@ Task parse_action(const std::string& cell, size_t row, size_t column) {
   return Task{o, std::stoll(cell.substr(0, k)), std::stoll(rest)};
 }
 
+// One cell: an action, or DualPipeV's overlapped pair "(<F action>;<B action>)OVERLAP_F_B",
+// whose two actions gpipe runs one after the other, in the cell's order.
+void parse_cell(const std::string& cell, size_t row, size_t column, std::vector<Task>& out) {
+  if (cell.front() != '(') {
+    out.push_back(parse_action(cell, row, column));
+    return;
+  }
+  static const std::string kOverlap = ")OVERLAP_F_B";
+  const auto semicolon = cell.find(';');
+  const bool pair = cell.size() > kOverlap.size() &&
+                    cell.compare(cell.size() - kOverlap.size(), kOverlap.size(), kOverlap) == 0 &&
+                    semicolon != std::string::npos &&
+                    semicolon < cell.size() - kOverlap.size() &&
+                    cell.find(';', semicolon + 1) == std::string::npos;
+  if (!pair) {
+    throw std::invalid_argument("row " + std::to_string(row) + ", cell " +
+                                std::to_string(column) + " ('" + cell +
+                                "') is not an action nor an overlapped pair; write "
+                                "(<action>;<action>)OVERLAP_F_B, e.g. '(0F7;7B3)OVERLAP_F_B'");
+  }
+  out.push_back(parse_action(trimmed(cell.substr(1, semicolon - 1)), row, column));
+  out.push_back(parse_action(
+      trimmed(cell.substr(semicolon + 1, cell.size() - kOverlap.size() - semicolon - 1)), row,
+      column));
+}
+
 }  // namespace
 
 Plan plan_from_csv(const std::string& text) {
@@ -687,10 +716,12 @@ Plan plan_from_csv(const std::string& text) {
     for (std::string cell; std::getline(cells, cell, ','); ++column) {
       cell = trimmed(cell);
       if (cell.empty()) continue;  // an idle tick
-      const Task t = parse_action(cell, r, column);
-      plan.stages = std::max(plan.stages, t.stage + 1);
-      plan.microbatches = std::max(plan.microbatches, t.microbatch + 1);
-      list.push_back(t);
+      const size_t first = list.size();
+      parse_cell(cell, r, column, list);
+      for (size_t k = first; k < list.size(); ++k) {
+        plan.stages = std::max(plan.stages, list[k].stage + 1);
+        plan.microbatches = std::max(plan.microbatches, list[k].microbatch + 1);
+      }
     }
     plan.lists.push_back(std::move(list));
   }

@@ -422,6 +422,43 @@ TEST_CASE("plan: a bad CSV schedule is refused, naming the cell or the actions",
   CHECK_THROWS_WITH(plan_from_csv("0B0,0F0\n1F0,1B0\n"), Contains("deadlock"));
 }
 
+TEST_CASE("plan: DualPipeV's overlapped F and B cells run as their two actions in order",
+          "[plan]") {
+  using gpipe::detail::plan_from_csv;
+  // torch writes an overlapped pair as one cell, "(<F action>;<B action>)OVERLAP_F_B". gpipe
+  // runs its two actions one after the other, in the cell's order. A V on 2 rows: row 0
+  // holds stages 0 and 3, row 1 stages 1 and 2.
+  const Plan table = plan_from_csv(
+      "0F0,0F1,3F0,3B0,3F1,(0F2;3B1)OVERLAP_F_B,(3F2;0B0)OVERLAP_F_B,3B2,0B1,0B2\n"
+      "1F0,2F0,1F1,2F1,2B0,(1F2;2B1)OVERLAP_F_B,1B0,2F2,2B2,1B1,1B2\n");
+  CHECK(table.lists[0] == std::vector<Task>{F(0, 0), F(0, 1), F(3, 0), B(3, 0), F(3, 1),
+                                            F(0, 2), B(3, 1), F(3, 2), B(0, 0), B(3, 2),
+                                            B(0, 1), B(0, 2)});
+  CHECK(table.lists[1] == std::vector<Task>{F(1, 0), F(2, 0), F(1, 1), F(2, 1), B(2, 0),
+                                            F(1, 2), B(2, 1), B(1, 0), F(2, 2), B(2, 2),
+                                            B(1, 1), B(1, 2)});
+  CHECK(v_placed(table));
+  // Written back, the pair is two cells.
+  CHECK(gpipe::detail::plan_to_csv(table).rfind("0F0,0F1,3F0,3B0,3F1,0F2,3B1,3F2,0B0,", 0) == 0);
+  // A malformed pair names the cell and the form.
+  CHECK_THROWS_WITH(plan_from_csv("(0F0;0B0\n"),
+                    Contains("row 0, cell 0 ('(0F0;0B0')") &&
+                        Contains("(<action>;<action>)OVERLAP_F_B"));
+  CHECK_THROWS_WITH(plan_from_csv("(0F0)OVERLAP_F_B,0B0\n"),
+                    Contains("(<action>;<action>)OVERLAP_F_B"));
+  CHECK_THROWS_WITH(plan_from_csv("(0F0;0X0)OVERLAP_F_B\n"),
+                    Contains("row 0, cell 0 ('0X0') is not an action"));
+}
+
+TEST_CASE("plan: a CSV with B then W for one micro-batch names the older B-for-I spelling",
+          "[plan]") {
+  // Older torch.distributed.pipelining tables wrote the input half as B (now I) before W.
+  CHECK_THROWS_WITH(gpipe::detail::plan_from_csv("0F0,0B0,0W0\n"),
+                    Contains("B(stage 0, micro-batch 0) and W(stage 0, micro-batch 0) both "
+                             "appear") &&
+                        Contains("write that B as I"));
+}
+
 TEST_CASE("plan: ZB-V in pictures, its placement and its CSV", "[plan]") {
   // Worker 0 holds stages 0 and 3, worker 1 stages 1 and 2 (the V's turn); ".s" names the
   // stage. Worker 0 admits two micro-batches into stage 0 (min(W, M)) before their W's.

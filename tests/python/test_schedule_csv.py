@@ -89,6 +89,29 @@ def test_every_built_in_schedule_exported_and_loaded_back_runs_bitwise_the_same(
     assert all(torch.equal(p, q) for p, q in zip(a[1], b[1]))
 
 
+# A DualPipeV-style table written by hand: 4 stages in a V on 2 rows, whole backwards (B)
+# beside split ones (I, W), and torch's overlapped F/B cells, which gpipe runs as their two
+# actions in order.
+DUALPIPE_V = ("0F0,0F1,3F0,3B0,3F1,(0F2;3B1)OVERLAP_F_B,(3F2;0B0)OVERLAP_F_B,3B2,0B1,0B2\n"
+              "1F0,2F0,1F1,2F1,2B0,(1F2;2B1)OVERLAP_F_B,1B0,2F2,2B2,1I1,1I2,1W1,1W2\n")
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_dualpipe_v_table_with_overlapped_cells_trains_as_the_plain_model(checkpoint):
+    schedule = gpipe.Schedule(DUALPIPE_V)
+    assert (schedule.rows, schedule.stages, schedule.microbatches) == (2, 4, 3)
+    assert schedule.v_shaped
+    pipe = gpipe.Pipe(model(), balance=[2, 1, 1, 1], devices=["cpu", "cpu"], chunks=3,
+                      checkpoint=checkpoint, schedule=schedule)
+    want_losses, want_params = train(model())
+    losses, params = train_pipe(pipe)
+    assert max(abs(a - b) for a, b in zip(losses, want_losses)) <= 1e-10
+    for got, want in zip(params, want_params):
+        assert (got - want).abs().max().item() <= 1e-10
+    # Exported, each pair is its two actions.
+    assert pipe.schedule_csv().splitlines()[0] == "0F0,0F1,3F0,3B0,3F1,0F2,3B1,3F2,0B0,3B2,0B1,0B2"
+
+
 def test_torchs_parser_reads_what_gpipe_writes(tmp_path):
     from torch.distributed.pipelining.schedules import _Action
 
