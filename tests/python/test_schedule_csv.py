@@ -191,10 +191,12 @@ def _worker_csv() -> None:
             # A checkpoint mode per stage (issue 26 item 3), over the ranks.
             ("stage-checkpoints", ONE_F_ONE_B, ["always", "never"]),
             # A table placing 4 stages in a V (zb_v's): rank 0 holds stages 0 and 3.
-            ("v", V_TABLE, "except_last"))
+            ("v", V_TABLE, "except_last"),
+            # DualPipeV's overlapped cells, in the same V.
+            ("dualpipe-v", DUALPIPE_V, "always"))
     for name, text, checkpoint in runs:
         want_losses, want_params = train(model())
-        balance = [2, 1, 1, 1] if name == "v" else [3, 2]
+        balance = [2, 1, 1, 1] if name in ("v", "dualpipe-v") else [3, 2]
         pipe = gpipe.distributed.Pipe(model(), balance, chunks=3, schedule=gpipe.Schedule(text),
                                       checkpoint=checkpoint)
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
@@ -220,11 +222,13 @@ def test_a_csv_table_over_two_gloo_ranks():
     run = td._spawn("csv", world=2, script=__file__)
     assert run["codes"] == [0, 0], run["logs"]
     for name, text in (("1f1b", ONE_F_ONE_B), ("zero-bubble", ZERO_BUBBLE),
-                       ("stage-checkpoints", ONE_F_ONE_B), ("v", V_TABLE)):
+                       ("stage-checkpoints", ONE_F_ONE_B), ("v", V_TABLE),
+                       ("dualpipe-v", DUALPIPE_V)):
         for rank, r in td._results(run, name).items():
             assert r["error"] <= 1e-10, (name, rank, r)
             assert r["csv"] == gpipe.Schedule(text).csv, (name, rank, r)
-    assert [td._results(run, "v")[r]["stages"] for r in (0, 1)] == [[0, 3], [1, 2]]
+    for name in ("v", "dualpipe-v"):
+        assert [td._results(run, name)[r]["stages"] for r in (0, 1)] == [[0, 3], [1, 2]]
 
 
 if __name__ == "__main__":
