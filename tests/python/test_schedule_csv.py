@@ -53,18 +53,25 @@ def train_pipe(pipe):
     return train(pipe, step=lambda x, y: pipe.train_step(x, y, nn.functional.mse_loss))
 
 
-@pytest.mark.parametrize("text", [ONE_F_ONE_B, ZERO_BUBBLE], ids=["1f1b", "zero-bubble"])
-@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-def test_a_csv_table_trains_as_the_plain_model(text, checkpoint):
-    schedule = gpipe.Schedule(text)
-    assert (schedule.rows, schedule.stages, schedule.microbatches) == (2, 2, 3)
-    pipe = gpipe.Pipe(model(), balance=[3, 2], devices=["cpu", "cpu"], chunks=3,
+def trains_as_the_plain_model(schedule, balance, checkpoint):
+    """A Pipe on 2 CPU devices running `schedule`, trained two steps: losses and parameters
+    equal the plain model's (1e-10). Returns the Pipe."""
+    pipe = gpipe.Pipe(model(), balance=balance, devices=["cpu", "cpu"], chunks=3,
                       checkpoint=checkpoint, schedule=schedule)
     want_losses, want_params = train(model())
     losses, params = train_pipe(pipe)
     assert max(abs(a - b) for a, b in zip(losses, want_losses)) <= 1e-10
     for got, want in zip(params, want_params):
         assert (got - want).abs().max().item() <= 1e-10
+    return pipe
+
+
+@pytest.mark.parametrize("text", [ONE_F_ONE_B, ZERO_BUBBLE], ids=["1f1b", "zero-bubble"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_csv_table_trains_as_the_plain_model(text, checkpoint):
+    schedule = gpipe.Schedule(text)
+    assert (schedule.rows, schedule.stages, schedule.microbatches) == (2, 2, 3)
+    pipe = trains_as_the_plain_model(schedule, [3, 2], checkpoint)
     assert pipe.schedule_csv() == text.replace(",,", ",").replace("\n,", "\n").replace(" ", "")
 
 
@@ -101,13 +108,7 @@ def test_a_dualpipe_v_table_with_overlapped_cells_trains_as_the_plain_model(chec
     schedule = gpipe.Schedule(DUALPIPE_V)
     assert (schedule.rows, schedule.stages, schedule.microbatches) == (2, 4, 3)
     assert schedule.v_shaped
-    pipe = gpipe.Pipe(model(), balance=[2, 1, 1, 1], devices=["cpu", "cpu"], chunks=3,
-                      checkpoint=checkpoint, schedule=schedule)
-    want_losses, want_params = train(model())
-    losses, params = train_pipe(pipe)
-    assert max(abs(a - b) for a, b in zip(losses, want_losses)) <= 1e-10
-    for got, want in zip(params, want_params):
-        assert (got - want).abs().max().item() <= 1e-10
+    pipe = trains_as_the_plain_model(schedule, [2, 1, 1, 1], checkpoint)
     # Exported, each pair is its two actions.
     assert pipe.schedule_csv().splitlines()[0] == "0F0,0F1,3F0,3B0,3F1,0F2,3B1,3F2,0B0,3B2,0B1,0B2"
 
