@@ -64,6 +64,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -265,8 +266,8 @@ double measured_nap(double seconds, int n) {
 // naps each task of its list in order for the task's cost in the naps'
 // unit (forward = 1 unit of t/v, I = W = 1, B = 2), after waiting for the
 // task's inputs as the engine's receivers do (spin 50 us, then park;
-// transport.cpp). Its step time is what these naps, 8 threads of them on
-// this machine's cores and plain hand-offs cost any engine running the
+// transport.cpp). Its step time is what these naps, one thread per worker
+// on this machine's cores, and plain hand-offs cost any engine running the
 // plan: "bare vs perfect" is the most the engine could show here.
 double bare_plan_time(const gpipe::detail::Plan& plan, double unit) {
   using gpipe::detail::Op;
@@ -336,16 +337,15 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     schedules_only |= arg == "--schedules";
-    if (arg == "--devices" && i + 1 < argc) devices = std::stoll(argv[++i]);
-    else if (arg == "--devices") {
-      std::fprintf(stderr, "bench_sim: --devices needs a count, e.g. --devices 2\n");
+    if (arg != "--devices") continue;
+    char* end = nullptr;
+    const char* count = i + 1 < argc ? argv[++i] : "";
+    devices = std::strtoll(count, &end, 10);
+    if (*count == '\0' || *end != '\0' || devices < 1) {
+      std::fprintf(stderr, "bench_sim: --devices '%s': give a count of 1 or more, e.g. "
+                   "--devices 2\n", count);
       return 2;
     }
-  }
-  if (devices < 0) {
-    std::fprintf(stderr, "bench_sim: --devices %lld: give a count of 1 or more\n",
-                 static_cast<long long>(devices));
-    return 2;
   }
   // Timer slack is per thread and inherited at thread creation: set it
   // before any Pipe (and its workers) exists.
