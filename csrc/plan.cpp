@@ -678,22 +678,17 @@ void parse_cell(const std::string& cell, size_t row, size_t column, std::vector<
     return;
   }
   static const std::string kOverlap = ")OVERLAP_F_B";
-  const auto semicolon = cell.find(';');
-  const bool pair = cell.size() > kOverlap.size() &&
-                    cell.compare(cell.size() - kOverlap.size(), kOverlap.size(), kOverlap) == 0 &&
-                    semicolon != std::string::npos &&
-                    semicolon < cell.size() - kOverlap.size() &&
-                    cell.find(';', semicolon + 1) == std::string::npos;
-  if (!pair) {
+  const bool closed = cell.size() > kOverlap.size() && cell.ends_with(kOverlap);
+  const std::string body = closed ? cell.substr(1, cell.size() - kOverlap.size() - 1) : "";
+  const auto semicolon = body.find(';');
+  if (semicolon == std::string::npos || body.find(';', semicolon + 1) != std::string::npos) {
     throw std::invalid_argument("row " + std::to_string(row) + ", cell " +
                                 std::to_string(column) + " ('" + cell +
                                 "') is not an action nor an overlapped pair; write "
                                 "(<action>;<action>)OVERLAP_F_B, e.g. '(0F7;7B3)OVERLAP_F_B'");
   }
-  out.push_back(parse_action(trimmed(cell.substr(1, semicolon - 1)), row, column));
-  out.push_back(parse_action(
-      trimmed(cell.substr(semicolon + 1, cell.size() - kOverlap.size() - semicolon - 1)), row,
-      column));
+  out.push_back(parse_action(trimmed(body.substr(0, semicolon)), row, column));
+  out.push_back(parse_action(trimmed(body.substr(semicolon + 1)), row, column));
 }
 
 }  // namespace
@@ -716,12 +711,11 @@ Plan plan_from_csv(const std::string& text) {
     for (std::string cell; std::getline(cells, cell, ','); ++column) {
       cell = trimmed(cell);
       if (cell.empty()) continue;  // an idle tick
-      const size_t first = list.size();
       parse_cell(cell, r, column, list);
-      for (size_t k = first; k < list.size(); ++k) {
-        plan.stages = std::max(plan.stages, list[k].stage + 1);
-        plan.microbatches = std::max(plan.microbatches, list[k].microbatch + 1);
-      }
+    }
+    for (const Task& t : list) {
+      plan.stages = std::max(plan.stages, t.stage + 1);
+      plan.microbatches = std::max(plan.microbatches, t.microbatch + 1);
     }
     plan.lists.push_back(std::move(list));
   }

@@ -154,9 +154,9 @@ struct Simulation {
 /// row per worker (rank), its compute actions in order, each
 /// <stage><F|I|W|B><micro-batch> ("0F3", "1I2", "1W2", "0B1"); an empty cell
 /// is an idle tick; DualPipeV's overlapped cell "(0F7;7B3)OVERLAP_F_B" is its
-/// two actions, run one after the other in that order. Communication is derived from the tasks, so the format's
-/// communication and FSDP actions (SEND_F, RECV_B, UNSHARD, ...) are refused,
-/// naming them. Workers, stages and micro-batches are the rows and the
+/// two actions, run one after the other in that order. Communication is
+/// derived from the tasks, so the format's communication and FSDP actions
+/// (SEND_F, RECV_B, UNSHARD, ...) are refused, naming them. Workers, stages and micro-batches are the rows and the
 /// largest indices seen; each stage's tasks must all be in one row, which
 /// gives the placement (a loop, a V, or any other with as many stages in
 /// each row); the plan is checked with `validate`.

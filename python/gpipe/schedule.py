@@ -15,8 +15,8 @@ class Schedule:
     ``1B2`` a whole backward, ``1I2`` / ``1W2`` its input-grad and weight-grad halves
     (zero-bubble); an empty cell is an idle tick; DualPipeV's overlapped cell
     ``(0F7;7B3)OVERLAP_F_B`` runs as its two actions, one after the other. gpipe derives the
-    communication, so the
-    format's communication and FSDP actions (``SEND_F``, ``UNSHARD``, ...) are refused. Stage
+    communication, so the format's communication and FSDP actions (``SEND_F``, ``UNSHARD``,
+    ...) are refused. Stage
     s runs on row s mod rows (more stages than rows: virtual stages, as interleaved 1F1B), or,
     with twice as many stages as rows, in ZB-V's V (row r: stages r and 2 rows - 1 - r, as
     pipelining's ScheduleZBVZeroBubble and DualPipeV place them; ``v_shaped``).
