@@ -13,7 +13,8 @@ from gpipe.pipe import (BatchDim, _as_int, _batch_dims, _check_balance, _check_i
                         _engine_checkpoint, _parse_balance, _parse_checkpoint, _parse_chunks,
                         _engine_schedule, _parse_schedule, _schedule_stages, _stage_workers,
                         _v_shaped)
-from gpipe.pipeline import _balanced_split_points, _Cut, _Pipelined, _cut
+from gpipe.pipeline import _Cut, _Pipelined, _cut
+from gpipe._pipeline_split import balanced_split_points
 from gpipe.schedule import Schedule
 from gpipe.skip.layout import stage_runners
 from gpipe.skip.skippable import verify_skippables
@@ -653,7 +654,7 @@ class _PipelinedPipe(_Pipelined, Pipe):
 
 def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
              example_args: Any = (), example_kwargs: Optional[Dict[str, Any]] = None, *,
-             stages: Optional[int] = None, balance_by: str = "params", tracer: str = "fx",
+             stages: Optional[int] = None, balance_by: str = "params", tracer: str = "auto",
              **pipe_options: Any) -> Pipe:
     """:func:`gpipe.pipeline` over ranks: cuts ``module`` into stages at ``split_points``
     and returns a :class:`Pipe` whose stage s runs on rank s mod R (R the group's size; under
@@ -695,8 +696,8 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
         # Timings differ from rank to rank: every rank takes the first rank's choice. (Every
         # rank profiles, so that a module failing to trace or run fails on every rank alike
         # instead of leaving the others in the broadcast.)
-        chosen = [_balanced_split_points(module, stages, balance_by, example_args,
-                                         example_kwargs)]
+        chosen = [balanced_split_points(module, stages, balance_by, example_args,
+                                        example_kwargs)]
         dist.broadcast_object_list(chosen, src=dist.get_global_rank(group, 0), group=group)
         split_points, stages = chosen[0], None
     cut = _cut(module, split_points, example_args, example_kwargs, stages, balance_by, tracer,

@@ -1,7 +1,9 @@
-"""gpipe.pipeline: cut any torch.fx-traceable nn.Module into stages at named submodules, as a Pipe.
+"""gpipe.pipeline: cut any traceable nn.Module into stages at named submodules, as a Pipe.
 
-The module's ``forward`` is traced with ``torch.fx`` (submodules that hold no split point
-are called, not traced), the graph is cut where each split point's submodule is first
+The module's ``forward`` is traced into one graph (_pipeline_trace.py: torch.fx, where
+submodules that hold no split point are called, not traced, or torch.export where fx
+cannot trace), the split points are chosen when only their number is given
+(_pipeline_split.py), the graph is cut where each split point's submodule is first
 used, and every value that crosses a cut is routed: a tensor rides in the hand-off tuple
 to the next stage that uses it, or as a skip straight to a later one, parameters and
 buffers are fetched again where they are used (the same objects, so tied weights stay
@@ -13,14 +15,8 @@ are the module's. See docs/pipeline.md.
 """
 import contextlib
 import difflib
-import dis
 import inspect
-import itertools
-import linecache
 import operator
-import os
-import time
-import traceback
 from typing import (Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set,
                     Tuple, Union)
 
@@ -29,133 +25,12 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from gpipe.balance import _untouched, balance_cost
 from gpipe.pipe import Pipe
+from gpipe._pipeline_split import balanced_split_points
+from gpipe._pipeline_trace import PipelineError, Traced, _factories_traced, trace
 from gpipe.skip.tracker import pop_skip, stash_skip
 
 __all__ = ["pipeline", "PipelineError"]
-
-
-class PipelineError(RuntimeError):
-    """gpipe.pipeline could not cut the module: the message names the construct (with its
-    source line where known) and the fallback."""
-
-
-_FALLBACK = ("gpipe.pipeline calls a submodule that contains no split point without tracing "
-             "it, so move that code into such a submodule (keep the region inside one "
-             "stage), or write the model as an nn.Sequential and use gpipe.Pipe directly")
-
-
-def _is_ancestor(name: str, of: str) -> bool:
-    """Whether submodule ``name`` strictly contains ``of`` ('' is the root)."""
-    return name == "" or of.startswith(name + ".")
-
-
-class _Tracer(fx.Tracer):
-    """Traces only the modules that contain a split point; every other submodule is one
-    call_module node (a leaf), run as written: its own control flow is never traced."""
-
-    def __init__(self, split_points: Sequence[str]) -> None:
-        super().__init__()
-        self.split_points = list(split_points)
-        #: The pytree structure of what the forward returned (the graph returns its leaves).
-        self.out_spec: Any = None
-
-    def create_args_for_root(self, root_fn: Callable, is_module: bool,
-                             concrete_args: Any = None) -> Tuple[Callable, List[Any]]:
-        """One placeholder per named parameter of the forward, in signature order, and the
-        forward called by keyword. fx's own version patches the code object of the forward
-        it is given, which for a decorated forward (``functools.wraps``, as Hugging Face's)
-        is the wrapper's ``(self, *args, **kwargs)``. The graph returns the pytree leaves of
-        the result, so that a registered container (a ``ModelOutput``) keeps its type: fx
-        would record a dict subclass as a plain dict."""
-        if not is_module:
-            return super().create_args_for_root(root_fn, is_module, concrete_args)
-        target = inspect.unwrap(root_fn)
-        sig = inspect.signature(target)
-        params = [p for p in list(sig.parameters.values())[1:]  # without self
-                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        values = [self._proxy_placeholder(p.name, concrete_args, sig, target) for p in params]
-
-        def forward(root: nn.Module, *args: Any) -> List[Any]:
-            pos = [a for p, a in zip(params, args) if p.kind == p.POSITIONAL_ONLY]
-            kw = {p.name: a for p, a in zip(params, args) if p.kind != p.POSITIONAL_ONLY}
-            leaves, self.out_spec = pytree.tree_flatten(root_fn(root, *pos, **kw))
-            return leaves
-
-        return forward, [self.root, *values]
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return not any(_is_ancestor(qualname, sp) for sp in self.split_points)
-
-    def to_bool(self, obj: fx.Proxy) -> bool:
-        """``assert t <= block_size`` on a traced value becomes a ``torch._assert`` node
-        (fx's own ``trace_asserts`` does not know Python 3.11's bytecode); any other
-        ``bool()`` of a traced value is refused as fx refuses it."""
-        frame = inspect.currentframe()
-        caller = frame.f_back.f_back if frame and frame.f_back else None  # Proxy.__bool__'s
-        if caller is not None:
-            insts = list(dis.get_instructions(caller.f_code))
-            at = next((i for i, inst in enumerate(insts) if inst.offset == caller.f_lasti), None)
-            if at is not None and insts[at].opname == "TO_BOOL":  # Python 3.13 (untested)
-                at += 1
-            if (at is not None and at + 1 < len(insts)
-                    and insts[at].opname.startswith("POP_JUMP") and "IF_TRUE" in insts[at].opname
-                    and (insts[at + 1].opname == "LOAD_ASSERTION_ERROR"
-                         or insts[at + 1].argval == "AssertionError")):
-                where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
-                self.create_proxy("call_function", torch._assert,
-                                  (obj, f"assertion failed at {where}"), {})
-                return True
-        return super().to_bool(obj)
-
-
-def _user_frame(tb: Any) -> Tuple[Optional[traceback.FrameSummary], Any]:
-    """The innermost frame of the traceback outside torch (where the user's code failed),
-    and its ``self`` (the module whose forward it is), if any."""
-    torch_dir = os.path.dirname(torch.__file__)
-    here = os.path.abspath(__file__)
-    found, owner = None, None
-    while tb is not None:
-        frame = tb.tb_frame
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(torch_dir) and path != here and not path.startswith("<"):
-            found = traceback.FrameSummary(frame.f_code.co_filename, tb.tb_lineno,
-                                           frame.f_code.co_name)
-            owner = frame.f_locals.get("self")
-        tb = tb.tb_next
-    return found, owner
-
-
-#: torch factories whose sizes may be traced values (``torch.ones(t, t)`` with ``t`` from
-#: ``x.size()``): torch.fx records them only when a tensor argument is a Proxy, so
-#: :func:`_trace` diverts them to the graph while it traces.
-_FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint", "eye", "arange",
-              "tril_indices", "triu_indices")
-
-
-def _traced_factory(fn: Callable) -> Callable:
-    def factory(*args: Any, **kwargs: Any) -> Any:
-        for a in pytree.tree_leaves((args, kwargs)):
-            if isinstance(a, fx.Proxy):
-                return a.tracer.create_proxy("call_function", fn, args, kwargs)
-        return fn(*args, **kwargs)
-    factory.__wrapped__ = fn  # type: ignore[attr-defined]
-    return factory
-
-
-@contextlib.contextmanager
-def _factories_traced() -> Iterator[None]:
-    """While tracing, torch's factories record themselves when given traced sizes. Other
-    threads see the patch too, but it changes only calls given a Proxy."""
-    originals = {name: getattr(torch, name) for name in _FACTORIES}
-    try:
-        for name, fn in originals.items():
-            setattr(torch, name, _traced_factory(fn))
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(torch, name, fn)
 
 
 class _Stage(fx.GraphModule):
@@ -222,36 +97,6 @@ def _routes(ext: List[Set[fx.Node]], stage_of: Dict[fx.Node, int], index: Dict[f
     return carried, [[] for _ in range(n_stages)], [[] for _ in range(n_stages)]
 
 
-def _trace(module: nn.Module, split_points: Sequence[str],
-           concrete: Dict[str, Any]) -> fx.Graph:
-    tracer = _Tracer(split_points)
-    try:
-        with _factories_traced():
-            graph = tracer.trace(module, concrete_args=concrete or None)
-        output = next(n for n in graph.nodes if n.op == "output")
-        output.meta["gpipe_out_spec"] = tracer.out_spec
-        return graph
-    except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError... from user code
-        frame, owner = _user_frame(exc.__traceback__)
-        where, why = "", ""
-        if frame is not None:
-            line = linecache.getline(frame.filename, frame.lineno).strip()
-            func = frame.name
-            if isinstance(owner, nn.Module):
-                func = f"{type(owner).__name__}.{func}"
-                name = next((n for n, m in module.named_modules() if m is owner), None)
-                inner = [sp for sp in split_points if name and _is_ancestor(name, sp)]
-                if inner:
-                    why = (f" ({name!r} is traced because it contains the split point(s) "
-                           f"{inner})")
-            where = f" at {frame.filename}:{frame.lineno} in {func}: `{line}`{why}"
-        raise PipelineError(
-            f"gpipe.pipeline could not trace {type(module).__name__} with torch.fx{where}: "
-            f"{type(exc).__name__}: {exc}. Python control flow on tensor values (if, while, "
-            f"bool(), .item(), iterating a tensor) cannot be traced into a graph; {_FALLBACK}"
-        ) from exc
-
-
 def _leaves_have_tensor(value: Any) -> bool:
     return any(isinstance(v, Tensor) for v in pytree.tree_leaves(value))
 
@@ -305,6 +150,12 @@ class _Cut(NamedTuple):
     options: Dict[str, Any]
     #: With torch.export, the training mode the graph was exported in (its ops keep it).
     exported_training: Optional[bool] = None
+    #: Where the stages begin, in the order the forward uses them.
+    split_points: List[str] = []
+    #: The tracer that made the graph: "fx" or "export".
+    tracer: str = "fx"
+    #: The module's training mode, which the pipe starts in.
+    training: bool = True
 
 
 class _Pipelined:
@@ -325,6 +176,16 @@ class _Pipelined:
         self._key_order = cut.key_order
         self._key_stages = cut.key_stages
         self._exported_training = cut.exported_training
+        #: The submodules where stages 1, 2, ... begin (chosen by ``stages=K``, or the
+        #: split points given), in the order the forward uses them.
+        self.split_points = list(cut.split_points)
+        #: The tracer that made the stages: "fx" or "export" ("auto" picks one).
+        self.tracer = cut.tracer
+        # The pipe and its stages start in the module's mode (the module's own submodules,
+        # which the stages hold, keep theirs): an exported graph runs in that mode only.
+        self.training = cut.training
+        for stage in cut.stages:
+            stage.training = cut.training
         self._register_state_dict_hook(_Pipelined._module_keys)  # type: ignore[attr-defined]
         self._register_load_state_dict_pre_hook(  # type: ignore[attr-defined]
             _Pipelined._stage_keys, with_module=True)
@@ -492,13 +353,14 @@ class _PipelinedPipe(_Pipelined, Pipe):
 
 def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
              example_args: Any = (), example_kwargs: Optional[Dict[str, Any]] = None, *,
-             stages: Optional[int] = None, balance_by: str = "params", tracer: str = "fx",
+             stages: Optional[int] = None, balance_by: str = "params", tracer: str = "auto",
              **pipe_options: Any) -> Pipe:
     """Cuts ``module`` into stages that begin at ``split_points`` and returns a
     :class:`gpipe.Pipe` over them, called like ``module``.
 
     Args:
-        module: any ``nn.Module`` whose forward torch.fx can trace (see below).
+        module: any ``nn.Module`` whose forward torch.fx or torch.export can trace (see
+            ``tracer``).
         split_points: names of submodules (``module.named_modules()`` names, e.g.
             ``["blocks.2", "blocks.4"]``) at whose first use a stage begins, as
             torch.distributed.pipelining's ``SplitPoint.BEGINNING``: K names give K+1
@@ -508,19 +370,25 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
             Their sizes are not fixed: any batch size works later.
         example_kwargs: the forward's keyword arguments, as ``example_args``.
         stages: instead of ``split_points``, the number of stages: the submodules the
-            module's own forward calls (``tok``, ``blocks.0``, ... ``lm_head``) are balanced
-            by ``balance_by`` (:func:`gpipe.balance.balance_cost`) and the stages begin at
-            the chosen ones.
+            forward calls, looked for down into its ``nn.ModuleList``s and
+            ``nn.Sequential``s (``tok``, ``blocks.0``, ... ``lm_head``; a Hugging Face
+            causal LM's ``model.embed_tokens``, ``model.layers.0`` ... ``model.norm``,
+            ``lm_head``), are balanced by ``balance_by`` (:func:`gpipe.balance.balance_cost`,
+            the exact min-max split) and the stages begin at the chosen ones, which
+            ``pipe.split_points`` lists.
         balance_by: with ``stages``, each submodule's cost: ``"params"`` (default), its
             parameter count (a tied parameter counts once, at its first use), or
             ``"time"``, its forward and backward time on the examples (the fastest of 3
             runs after a warm-up, where the module is; parameters, grads, buffers and the
             RNG state are restored after).
-        tracer: ``"fx"`` (default): torch.fx, entering only the submodules that hold a
-            split point; ``"export"`` (experimental): torch.export with the batch dim of
-            every input dynamic (``torch.export.Dim``), entering every submodule; the stages
-            then run aten ops and hold the exported module's parameters (the module's own
-            objects) under the module's names. Every argument given must be a tensor.
+        tracer: ``"auto"`` (default): torch.fx, and where fx cannot trace the forward,
+            torch.export (``pipe.tracer`` says which made the stages); ``"fx"``: torch.fx
+            only, entering only the submodules that hold a split point; ``"export"``:
+            torch.export only, with the batch dim of every input dynamic
+            (``torch.export.Dim``), entering every submodule; its stages run aten ops, hold
+            the exported module's parameters (the module's own objects) under the module's
+            names, and keep the training mode the module had. Non-tensor arguments are fixed
+            at their example values with either.
         **pipe_options: :class:`gpipe.Pipe`'s own options (``chunks``, ``devices``,
             ``checkpoint``, ``schedule``, ``batch_dim``, ...), except ``balance`` (one stage
             per layer). ``batch_dim`` may also be a dict from the forward's parameter names
@@ -532,12 +400,15 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
     not given keep their defaults, and non-tensor arguments given are fixed at their example
     values (the trace specialises on them). Call the pipe with the same set of arguments.
 
-    Only submodules that contain a split point (and the module itself) are traced; every
-    other submodule is called as written, so its own control flow needs no tracing.
+    With torch.fx, only submodules that contain a split point (and the module itself) are
+    traced; every other submodule is called as written, so its own control flow needs no
+    tracing. ``pipe.split_points`` lists where the stages begin, ``pipe.tracer`` which
+    tracer made them.
 
     Raises:
-        PipelineError: the forward cannot be traced (the message names the construct and
-            its source line, and the fallbacks), or a value crossing a cut cannot be routed.
+        PipelineError: the forward cannot be traced (the message names each tracer tried,
+            the source line each stopped at, and each fix), or a value crossing a cut cannot
+            be routed.
         ValueError: a split point that is not a submodule, or is never used; ``balance``
             given.
     """
@@ -551,16 +422,42 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
     """What :func:`pipeline` and :func:`gpipe.distributed.pipeline` share: ``module`` traced
     and cut into stages, with what calling the pipe like the module takes; ``pipe_options``
     are checked against ``pipe_cls``'s."""
-    pipe_name = f"{pipe_cls.__module__}.{pipe_cls.__qualname__}".replace("gpipe.pipe.", "gpipe.")
     if stages is not None:
         if split_points is not None:
             raise ValueError(f"pass split_points or stages, not both (got split_points="
                              f"{split_points!r}, stages={stages!r})")
-        split_points = _balanced_split_points(module, stages, balance_by, example_args,
-                                              example_kwargs)
+        split_points = balanced_split_points(module, stages, balance_by, example_args,
+                                             example_kwargs)
     elif split_points is None:
         raise ValueError("pass split_points (submodule names where stages begin) or stages "
                          "(a number of stages to balance by parameter count)")
+    _check_options(pipe_options, pipe_cls, caller)
+    split_points = _checked_split_points(module, split_points)
+    signature, bound, names, concrete = _bind(module, example_args, example_kwargs)
+    traced = trace(module, split_points, signature, bound, names, concrete, pipe_options,
+                   tracer)
+    graph = traced.graph
+    values = _record_values(traced.root, graph, [bound.arguments[n] for n in names])
+    nodes = [n for n in graph.nodes if n.op != "output"]
+    index = {n: i for i, n in enumerate(nodes)}
+    begins = _begins(module, split_points, nodes, index)
+    stage_of = _stage_of(nodes, index, values, [b for b, _ in begins])
+    n_stages = len(begins) + 1
+    ext, remat, out_nodes, out_spec, out_constants = _needs(graph, traced.tracer, nodes, values,
+                                                            stage_of, n_stages)
+    hand, skips_out, skips_in = _routes(ext, stage_of, index, n_stages)
+    stages_ = [_stage(traced, k, n_stages, nodes, index, stage_of, remat[k],
+                      traced.order if k == 0 else hand[k - 1], skips_in[k], skips_out[k],
+                      out_nodes if k == n_stages - 1 else hand[k]) for k in range(n_stages)]
+    key_order, key_stages = _state_keys(module, traced.root, stages_)
+    return _Cut(stages_, names, concrete, signature, out_spec, out_constants, key_order,
+                key_stages, _options(pipe_options, names),
+                module.training if traced.tracer == "export" else None,
+                [sp for _, sp in begins], traced.tracer, module.training)
+
+
+def _check_options(pipe_options: Dict[str, Any], pipe_cls: type, caller: str) -> None:
+    pipe_name = f"{pipe_cls.__module__}.{pipe_cls.__qualname__}".replace("gpipe.pipe.", "gpipe.")
     known = set(inspect.signature(pipe_cls.__init__).parameters) - {"self", "module"}
     unknown = sorted(set(pipe_options) - known)
     if unknown:
@@ -571,6 +468,9 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
         raise ValueError(f"{caller} makes one stage per split, so balance="
                          f"{pipe_options['balance']!r} does not apply; choose the stages with "
                          f"split_points")
+
+
+def _checked_split_points(module: nn.Module, split_points: Any) -> List[str]:
     if isinstance(split_points, str):
         split_points = [split_points]
     split_points = list(split_points)
@@ -583,12 +483,16 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
                              + (f", e.g. {close}" if close else ""))
     if len(set(split_points)) != len(split_points):
         raise ValueError(f"split_points {split_points} names a submodule twice; give each once")
+    return split_points
 
-    # Which forward parameters are inputs (tensors given), which are fixed.
+
+def _bind(module: nn.Module, example_args: Any, example_kwargs: Optional[Dict[str, Any]]
+          ) -> Tuple[inspect.Signature, inspect.BoundArguments, List[str], Dict[str, Any]]:
+    """The examples bound to the forward's signature: which parameters are the Pipe's inputs
+    (tensors given), in signature order, and the others' fixed values."""
     example_args = example_args if isinstance(example_args, tuple) else (example_args,)
-    example_kwargs = dict(example_kwargs or {})
     signature = inspect.signature(module.forward)
-    bound = signature.bind(*example_args, **example_kwargs)
+    bound = signature.bind(*example_args, **dict(example_kwargs or {}))
     for p in signature.parameters.values():
         # *args and **kwargs are allowed (Hugging Face's forwards take **kwargs), left empty.
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and bound.arguments.get(p.name):
@@ -611,55 +515,14 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
     if not names:
         raise ValueError("example_args and example_kwargs give no tensor; the Pipe needs at "
                          "least one tensor input to cut into micro-batches")
+    return signature, bound, names, concrete
 
-    root = module  # what the stages take their submodules and parameters from
-    if tracer == "export":
-        if pipe_options.get("deferred_batch_norm"):
-            raise ValueError("deferred_batch_norm=True needs BatchNorm modules to convert, and "
-                             "tracer='export' turns them into aten ops; use tracer='fx' (its "
-                             "stages keep the module's BatchNorms)")
-        root, graph, order = _export(module, bound, names, concrete, pipe_options)
-    elif tracer == "fx":
-        graph = _trace(module, split_points, concrete)
-        # Drop the specialised parameters: fx keeps a placeholder for each (in signature order)
-        # and checks on it (``eq`` then ``_assert``); the values are baked into the graph.
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        params = [n for n, p in signature.parameters.items()
-                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        if len(placeholders) != len(params):
-            raise PipelineError(f"the trace of {type(module).__name__}.forward has "
-                                f"{len(placeholders)} inputs for {len(params)} parameters; "
-                                f"gpipe.pipeline cannot tell which is which")
-        checks = (operator.eq, torch._assert, getattr(fx._symbolic_trace, "_assert_is_none", None))
-        order: List[fx.Node] = []
-        for name, node in zip(params, placeholders):
-            if name in names:
-                order.append(node)
-                continue
-            doomed, todo = [], [node]
-            while todo:
-                n = todo.pop()
-                doomed.append(n)
-                for user in n.users:
-                    if user.op != "call_function" or user.target not in checks:
-                        raise PipelineError(f"argument {name!r} was fixed at its example value "
-                                            f"({concrete[name]!r}) but {user.format_node()} uses "
-                                            f"it; pass it as a tensor, or use it only in Python "
-                                            f"control flow")
-                    todo.append(user)
-            for n in sorted(set(doomed), key=lambda n: -list(graph.nodes).index(n)):
-                graph.erase_node(n)
-    else:
-        raise ValueError(f"tracer must be 'fx' or 'export', got {tracer!r}")
 
-    values = _record_values(root, graph, [bound.arguments[n] for n in names])
-    nodes = [n for n in graph.nodes if n.op != "output"]
-    index = {n: i for i, n in enumerate(nodes)}
-    output = next(n for n in graph.nodes if n.op == "output")
-
-    # Where each stage begins: the first node run by its split point's submodule (a call,
-    # or a node traced inside it); a parameter read from outside (a tie) does not count,
-    # unless that is all the forward does with it.
+def _begins(module: nn.Module, split_points: List[str], nodes: List[fx.Node],
+            index: Dict[fx.Node, int]) -> List[Tuple[int, str]]:
+    """Where each stage begins: the first node run by its split point's submodule (a call,
+    or a node traced inside it); a parameter read from outside (a tie) does not count,
+    unless that is all the forward does with it. Sorted: (node index, split point)."""
     def inside(node: fx.Node, sp: str, reads: bool = False) -> bool:
         stack = node.meta.get("nn_module_stack") or {}
         paths = [v[0] if isinstance(v, tuple) else v for v in stack.values()]
@@ -681,11 +544,16 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
     if (begins and begins[0][0] == 0) or any(a[0] == b[0] for a, b in zip(begins, begins[1:])):
         raise ValueError(f"split points {[sp for _, sp in begins]} leave an empty stage; "
                          f"choose submodules used at different points of the forward")
-    n_stages = len(begins) + 1
+    return begins
+
+
+def _stage_of(nodes: List[fx.Node], index: Dict[fx.Node, int], values: Dict[fx.Node, Any],
+              begins: List[int]) -> Dict[fx.Node, int]:
+    """The stage each node runs in: the last one begun at or before it."""
     stage_of: Dict[fx.Node, int] = {}
     s = 0
     for n in nodes:
-        while s < len(begins) and index[n] >= begins[s][0]:
+        while s < len(begins) and index[n] >= begins[s]:
             s += 1
         stage_of[n] = 0 if n.op == "placeholder" else s
     # A getitem of a value holding several tensors (a module returning a tuple) runs where
@@ -695,11 +563,16 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
                 and isinstance(n.args[0], fx.Node) and not isinstance(values.get(n.args[0]), Tensor)
                 and _leaves_have_tensor(values.get(n.args[0]))):
             stage_of[n] = stage_of[n.args[0]]
+    return stage_of
 
+
+def _needs(graph: fx.Graph, tracer: str, nodes: List[fx.Node], values: Dict[fx.Node, Any],
+           stage_of: Dict[fx.Node, int], n_stages: int) -> Tuple[Any, ...]:
+    """Per stage, the values made elsewhere and routed in (ext) and those recomputed there
+    (remat); the output nodes, the output structure and its constants."""
     def recomputed(n: fx.Node) -> bool:
         return n.op == "get_attr" or (n.op != "placeholder" and not _leaves_have_tensor(values.get(n)))
 
-    # Per stage: values made elsewhere and routed in (ext), values recomputed here (remat).
     ext: List[Set[fx.Node]] = [set() for _ in range(n_stages)]
     remat: List[Set[fx.Node]] = [set() for _ in range(n_stages)]
 
@@ -724,6 +597,7 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
     for n in nodes:
         for a in n.all_input_nodes:
             need(a, stage_of[n], n.name)
+    output = next(n for n in graph.nodes if n.op == "output")
     out_flat, out_spec = pytree.tree_flatten(output.args[0])
     info = getattr(graph._codegen, "pytree_info", None)  # torch.export: flat outputs, a spec
     if tracer == "export" and info is not None and info.out_spec is not None:
@@ -739,46 +613,50 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
         need(x, n_stages - 1, "the output")
     # None: the last stage's next output; (value,): a constant the forward returns.
     out_constants = [None if isinstance(x, fx.Node) else (x,) for x in out_flat]
+    return ext, remat, out_nodes, out_spec, out_constants
 
-    hand, skips_out, skips_in = _routes(ext, stage_of, index, n_stages)
 
-    stages = []
-    for k in range(n_stages):
-        g = fx.Graph()
-        env: Dict[fx.Node, fx.Node] = {}
-        incoming = order if k == 0 else hand[k - 1]
-        if len(incoming) == 1:
-            env[incoming[0]] = g.placeholder("input")
-        else:
-            x = g.placeholder("input")
-            for i, a in enumerate(incoming):
-                env[a] = g.call_function(operator.getitem, (x, i))
-        anchor = next(iter(g.nodes))  # the input (see pop_skip)
-        for name, a in skips_in[k]:
-            env[a] = g.call_function(pop_skip, (name, anchor))
-        # A parameter is read only where used: torch.export reads them all at the start,
-        # and a stage holding parameters it does not use would tie them across devices.
-        body = sorted((n for n in nodes if n.op != "placeholder"
-                       and ((stage_of[n] == k and n.op != "get_attr") or n in remat[k])),
-                      key=index.__getitem__)
-        for n in body:
-            env[n] = g.node_copy(n, lambda a: env[a])
-        for name, a in skips_out[k]:
-            g.call_function(stash_skip, (name, env[a]))
-        if k == n_stages - 1:
-            result = [env[x] for x in out_nodes]
-        else:
-            result = [env[a] for a in hand[k]]
-        g.output(result[0] if len(result) == 1 else tuple(result))
-        gm = _Stage(root, g, class_name=f"Stage{k}")
-        gm.gpipe_exported = tracer == "export"
-        if skips_out[k] or skips_in[k]:
-            gm.gpipe_skips = ([(None, name) for name, _ in skips_out[k]],
-                              [(None, name) for name, _ in skips_in[k]])
-        _keep_persistence(root, gm)
-        stages.append(gm)
+def _stage(traced: Traced, k: int, n_stages: int, nodes: List[fx.Node],
+           index: Dict[fx.Node, int], stage_of: Dict[fx.Node, int], remat: Set[fx.Node],
+           incoming: List[fx.Node], skips_in: List[Tuple[str, fx.Node]],
+           skips_out: List[Tuple[str, fx.Node]], outgoing: List[fx.Node]) -> nn.Module:
+    """Stage ``k``'s GraphModule: its input unpacked, its skips popped, its nodes and the
+    values it recomputes, its skips stashed, its outputs."""
+    g = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {}
+    if len(incoming) == 1:
+        env[incoming[0]] = g.placeholder("input")
+    else:
+        x = g.placeholder("input")
+        for i, a in enumerate(incoming):
+            env[a] = g.call_function(operator.getitem, (x, i))
+    anchor = next(iter(g.nodes))  # the input (see pop_skip)
+    for name, a in skips_in:
+        env[a] = g.call_function(pop_skip, (name, anchor))
+    # A parameter is read only where used: torch.export reads them all at the start,
+    # and a stage holding parameters it does not use would tie them across devices.
+    body = sorted((n for n in nodes if n.op != "placeholder"
+                   and ((stage_of[n] == k and n.op != "get_attr") or n in remat)),
+                  key=index.__getitem__)
+    for n in body:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    for name, a in skips_out:
+        g.call_function(stash_skip, (name, env[a]))
+    result = [env[a] for a in outgoing]
+    g.output(result[0] if len(result) == 1 else tuple(result))
+    gm = _Stage(traced.root, g, class_name=f"Stage{k}")
+    gm.gpipe_exported = traced.tracer == "export"
+    if skips_out or skips_in:
+        gm.gpipe_skips = ([(None, name) for name, _ in skips_out],
+                          [(None, name) for name, _ in skips_in])
+    _keep_persistence(traced.root, gm)
+    return gm
 
-    # Parameters and buffers no stage uses still belong to the module's state_dict.
+
+def _state_keys(module: nn.Module, root: nn.Module, stages: List[nn.Module]
+                ) -> Tuple[List[str], Dict[str, List[int]]]:
+    """The module's state_dict keys in its order, and the stages holding each; parameters
+    and buffers no stage uses are attached to the first stage (they are the module's)."""
     key_order = list(module.state_dict().keys())
     held = {key for st in stages for key in st.state_dict().keys()}
     for key in key_order:
@@ -788,7 +666,11 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
     for k, st in enumerate(stages):
         for key in st.state_dict().keys():
             key_stages.setdefault(key, []).append(k)
+    return key_order, key_stages
 
+
+def _options(pipe_options: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
+    """The Pipe's options, ``batch_dim`` given by name turned into the inputs' order."""
     options = dict(pipe_options)
     bd = options.get("batch_dim", 0)
     if isinstance(bd, dict):
@@ -798,137 +680,7 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
                              f"inputs {names}; name forward parameters given as tensors")
         dims = [bd.get(n, 0) for n in names]
         options["batch_dim"] = dims if len(dims) > 1 else dims[0]
-    return _Cut(stages, names, concrete, signature, out_spec, out_constants, key_order,
-                key_stages, options, module.training if tracer == "export" else None)
-
-
-def _export(module: nn.Module, bound: inspect.BoundArguments, names: List[str],
-            concrete: Dict[str, Any], pipe_options: Dict[str, Any]
-            ) -> Tuple[nn.Module, fx.Graph, List[fx.Node]]:
-    """torch.export's graph of ``module`` (parameters as get_attr nodes of the unlifted
-    module, which holds the module's own parameters), with the batch dim of every input
-    dynamic, and the placeholders in ``names`` order."""
-    given = [n for n in bound.arguments if n not in names]
-    if given:
-        raise ValueError(f"tracer='export' takes tensor arguments only, got {given} as "
-                         f"non-tensors; leave them at their defaults or use tracer='fx'")
-    bd = pipe_options.get("batch_dim", 0)
-    if isinstance(bd, dict):
-        dims = [bd.get(n, 0) for n in names]
-    elif isinstance(bd, (list, tuple)):
-        dims = list(bd)
-    else:
-        dims = [bd] * len(names)
-    if len(dims) != len(names):
-        raise ValueError(f"batch_dim {bd!r} has {len(dims)} entries for the inputs {names}")
-    batch = torch.export.Dim("batch")
-    shapes = {n: (None if d is None else {d % bound.arguments[n].dim(): batch})
-              for n, d in zip(names, dims)}
-    try:
-        ep = torch.export.export(module, tuple(bound.args), dict(bound.kwargs),
-                                 dynamic_shapes=shapes)
-    except Exception as exc:
-        frame, owner = _user_frame(exc.__traceback__)
-        where = ""
-        if frame is not None:
-            line = linecache.getline(frame.filename, frame.lineno).strip()
-            func = f"{type(owner).__name__}.{frame.name}" if isinstance(owner, nn.Module) \
-                else frame.name
-            where = f" at {frame.filename}:{frame.lineno} in {func}: `{line}`"
-        raise PipelineError(
-            f"gpipe.pipeline could not export {type(module).__name__} with torch.export"
-            f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
-            f"Python control flow on tensor values cannot be exported into a graph; use "
-            f"tracer='fx', which calls the submodules that hold no split point without tracing "
-            f"them, with that code moved into such a submodule, or write the model as an "
-            f"nn.Sequential and use gpipe.Pipe directly") from exc
-    gm = ep.module()
-    graph = gm.graph
-    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
-    missing = [n for n in names if n not in placeholders]
-    if missing:
-        raise PipelineError(f"torch.export's graph has no input named {missing} (it has "
-                            f"{list(placeholders)}); use tracer='fx'")
-    return gm, graph, [placeholders[n] for n in names]
-
-
-def _balanced_split_points(module: nn.Module, stages: Any, balance_by: str, example_args: Any,
-                           example_kwargs: Optional[Dict[str, Any]]) -> List[str]:
-    """Split points for ``stages`` stages over the submodules the forward calls, balanced by
-    parameter count or profiled time."""
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"stages must be an int of at least 1, got {stages!r}")
-    if balance_by not in ("params", "time"):
-        raise ValueError(f"balance_by must be 'params' or 'time', got {balance_by!r}")
-    args = example_args if isinstance(example_args, tuple) else (example_args,)
-    signature = inspect.signature(module.forward)
-    bound = signature.bind(*args, **(example_kwargs or {}))
-    given = {name: bound.arguments.get(name, p.default)
-             for name, p in signature.parameters.items()
-             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    concrete = {name: v for name, v in given.items() if not isinstance(v, Tensor)}
-    graph = _trace(module, [], concrete)
-    calls: List[str] = []
-    for node in graph.nodes:
-        if node.op == "call_module" and node.target not in calls:
-            calls.append(node.target)
-    if len(calls) < stages:
-        raise ValueError(f"stages={stages} but {type(module).__name__}.forward calls only "
-                         f"{len(calls)} submodules ({calls}) to begin stages at; pass at most "
-                         f"{len(calls)}, or split_points inside them")
-    if balance_by == "time":
-        costs = _profiled_costs(module, graph, list(given.values()), calls)
-    else:
-        seen: Set[int] = set()
-        costs = []
-        for name in calls:
-            params = [p for p in module.get_submodule(name).parameters() if id(p) not in seen]
-            seen.update(id(p) for p in params)
-            costs.append(sum(p.numel() for p in params))
-    counts = balance_cost(costs, stages)
-    starts = list(itertools.accumulate(counts))[:-1]
-    return [calls[i] for i in starts]
-
-
-def _profiled_costs(module: nn.Module, graph: fx.Graph, inputs: List[Any], calls: List[str],
-                    repeat: int = 3) -> List[float]:
-    """Each submodule's forward and backward time on the examples (every call of it, the
-    fastest of ``repeat`` runs after a warm-up), the module left as it was."""
-    values = _record_values(module, graph, inputs)
-    costs = []
-
-    def fresh(v: Any) -> Any:  # a graph input of its own for each run, as a stage gets
-        if isinstance(v, Tensor) and (v.is_floating_point() or v.is_complex()):
-            return v.detach().clone().requires_grad_()
-        return v
-
-    with _untouched(module), torch.random.fork_rng(devices=[]):
-        for name in calls:
-            sub = module.get_submodule(name)
-            total = 0.0
-            for node in (n for n in graph.nodes if n.op == "call_module" and n.target == name):
-                a, k = fx.node.map_arg((node.args, node.kwargs), lambda n: values[n])
-                best = float("inf")
-                for run in range(repeat + 1):
-                    a_run, k_run = pytree.tree_map(fresh, (a, k))
-                    begin = time.perf_counter()
-                    out = sub(*a_run, **k_run)
-                    roots = [t for t in pytree.tree_leaves(out)
-                             if isinstance(t, Tensor) and t.requires_grad]
-                    if roots:
-                        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
-                    _synchronize(roots)
-                    if run > 0:
-                        best = min(best, time.perf_counter() - begin)
-                total += best
-            costs.append(total)
-    return costs
-
-
-def _synchronize(tensors: List[Tensor]) -> None:
-    """Waits for the devices the tensors are on (CUDA runs asynchronously)."""
-    for device in {t.device for t in tensors if t.device.type == "cuda"}:
-        torch.cuda.synchronize(device)
+    return options
 
 
 def _keep_persistence(module: nn.Module, gm: nn.Module) -> None:

@@ -360,10 +360,27 @@ def test_untraceable_names_the_line_and_the_fallback() -> None:
     from gpipe.pipeline import PipelineError
     assert issubclass(PipelineError, RuntimeError)
     with pytest.raises(PipelineError) as info:
-        gpipe.pipeline(DataDependent(), ["b"], torch.randn(2, 3))
+        gpipe.pipeline(DataDependent(), ["b"], torch.randn(2, 3), tracer="fx")
     text = str(info.value)
     assert "if h.sum() > 0:" in text and "test_pipeline.py:" in text
     assert "nn.Sequential" in text and "submodule" in text
+    assert "tracer='export'" in text  # the other way, named
+
+
+def test_untraceable_by_both_tracers_names_both_attempts() -> None:
+    # Issue 45: the default (tracer="auto") tries torch.fx, then torch.export; when both stop,
+    # the error names both, the line each stopped at, and each one's fix.
+    from gpipe.pipeline import PipelineError
+    with pytest.raises(PipelineError) as info:
+        gpipe.pipeline(DataDependent(), ["b"], torch.randn(2, 3))
+    text = str(info.value)
+    line = f"test_pipeline.py:{DataDependent.forward.__code__.co_firstlineno + 2}"
+    fx_part, _, export_part = text.partition("torch.export stopped")
+    assert "torch.fx stopped" in fx_part and line in fx_part and "if h.sum() > 0:" in fx_part
+    assert line in export_part and "if h.sum() > 0:" in export_part
+    assert "For torch.fx, move that code into a submodule that contains no split point" in text
+    assert "for torch.export (tracer='export'), make that code depend on sizes" in text
+    assert "nn.Sequential" in text
 
 
 class Wrapped(nn.Module):
@@ -532,6 +549,7 @@ def test_stages_balanced_by_parameter_count() -> None:
     # tok (tied with lm_head, counted once) and pos, then six equal blocks, ln_f, lm_head (0)
     firsts = [next(n.target for n in st.graph.nodes if n.op == "call_module") for st in pipe]
     assert firsts == ["tok", "blocks.2", "blocks.4"]
+    assert pipe.split_points == ["blocks.2", "blocks.4"] and pipe.tracer == "fx"
     idx = idx_of(5)
     assert max_diff(pipe(idx), plain(idx)) < TOL
     with pytest.raises(ValueError, match="calls only"):
@@ -582,6 +600,69 @@ def test_stages_balanced_by_profiled_time() -> None:
     assert max_diff(by_time(x), model(x)) < TOL
     with pytest.raises(ValueError, match="balance_by must be 'params' or 'time'"):
         gpipe.pipeline(model, example_args=x, stages=2, balance_by="size")
+
+
+class Body(nn.Module):
+    """The blocks inside a submodule, as Hugging Face writes a causal LM: model.layers."""
+
+    def __init__(self, n_layer: int = 6) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(V, C)
+        self.layers = nn.ModuleList(Block() for _ in range(n_layer))
+        self.norm = nn.LayerNorm(C)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        t = idx.size(1)
+        mask = torch.ones(t, t, device=idx.device).tril()
+        x = self.tok(idx)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Body()
+        self.lm_head = nn.Linear(C, V, bias=False)
+        self.lm_head.weight = self.model.tok.weight
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.lm_head(self.model(idx))
+
+
+def test_stages_split_inside_a_submodules_module_list() -> None:
+    # Issue 45: stages=K looks into model.layers (today it saw only 'model' and 'lm_head').
+    model = CausalLM().double()
+    plain = twin(model)
+    pipe = gpipe.pipeline(model, example_args=idx_of(2), stages=3, chunks=2)
+    assert pipe.tracer == "fx"
+    # model.tok (tied with lm_head, counted once), then six equal blocks, norm, lm_head (0).
+    assert pipe.split_points == ["model.layers.2", "model.layers.4"]
+    assert list(pipe.state_dict()) == list(model.state_dict())
+    idx = idx_of(5)
+    outputs_and_grads_equal(pipe(idx), plain(idx), model, plain)
+    # Within a list only its items are split at: a block's own Sequential (mlp) is not.
+    with pytest.raises(ValueError, match=r"calls only 9 submodules.*'model.layers.5', "
+                                         r"'model.norm', 'lm_head'\]"):
+        gpipe.pipeline(model, example_args=idx_of(2), stages=10)
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Sleepers()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x)
+
+
+def test_stages_by_time_inside_a_submodule() -> None:
+    model = Outer()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    pipe = gpipe.pipeline(model, example_args=x, stages=2, balance_by="time")
+    assert pipe.split_points == ["body.s.3"]
+    assert max_diff(pipe(x), model(x)) < TOL
 
 
 def test_split_point_inside_a_block() -> None:

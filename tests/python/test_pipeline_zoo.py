@@ -1,6 +1,6 @@
 """gpipe.pipeline on models from other libraries, built from configs (no weights): torchvision's
 ResNet-18 (tracer fx and export) and Hugging Face's GPT-2 (tracer export; fx cannot trace HF's
-mask creation) equal the plain model in outputs, grads, train_step and state_dict keys, and
+mask creation; the default tracer="auto" on HF models: test_pipeline_hf.py) equal the plain model in outputs, grads, train_step and state_dict keys, and
 GPT-2 keeps its ModelOutput type and its tied head as one parameter."""
 from typing import Any
 
@@ -165,6 +165,6 @@ def test_gpt2_export_train_step_1f1b_with_mask() -> None:
 def test_gpt2_fx() -> None:
     model = gpt2()
     plain = twin(model)
-    pipe = gpipe.pipeline(model, ["transformer.h.1", "transformer.h.3"], (ids(4),))
+    pipe = gpipe.pipeline(model, ["transformer.h.1", "transformer.h.3"], (ids(4),), tracer="fx")
     x = ids(5)
     assert max_diff(pipe(x).logits, plain(x).logits) < TOL

@@ -1,0 +1,125 @@
+"""gpipe.pipeline with its defaults on Hugging Face causal LMs (Llama, Qwen2, Mixtral, GPT-2; tiny
+random configs, tied embeddings, float64): tracer="auto" falls back to torch.export where torch.fx
+cannot trace the mask code, stages=K splits inside model.layers, and outputs, every grad,
+train_step and the tie equal the plain model's. Over ranks: test_distributed_pipeline.py."""
+from typing import Any, Dict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import gpipe
+from conftest import TOL, max_diff
+from test_pipeline import grads_equal, outputs_and_grads_equal, train_step_equals_plain, twin
+
+torch.set_num_threads(1)
+transformers = pytest.importorskip("transformers")
+
+V, T = 64, 6
+
+
+def causal_lm(family: str, layers: int = 4) -> nn.Module:
+    """A tiny random causal LM of ``family``, tied head, no cache, float64, eval mode."""
+    common: Dict[str, Any] = dict(vocab_size=V, tie_word_embeddings=True, use_cache=False,
+                                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_layer=layers, n_embd=16, n_head=2, n_positions=16,
+                                         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         **common)
+        return transformers.GPT2LMHeadModel(config).double().eval()
+    sizes = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                 **common)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
+    elif family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes))
+    else:
+        # The default experts kernel (grouped_mm) takes no float64 on the CPU, and the eager
+        # one loops over the experts hit (data-dependent: neither tracer follows it).
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm",
+            **sizes))
+    return model.double().eval()
+
+
+def ids(rows: int) -> Tensor:
+    return torch.randint(0, V, (rows, T))
+
+
+def padding(rows: int) -> Tensor:
+    """An attention mask with 3 to T real tokens per row (padding at the end)."""
+    return (torch.arange(T) < torch.randint(3, T + 1, (rows, 1))).long()
+
+
+def lm_loss(out: Any, tgt: Tensor) -> Tensor:
+    return F.cross_entropy(out.logits.reshape(-1, V), tgt.reshape(-1))
+
+
+def embedding(model: nn.Module) -> nn.Parameter:
+    return model.get_input_embeddings().weight
+
+
+FAMILIES = ["llama", "qwen2", "mixtral", "gpt2"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_defaults_and_automatic_splits_equal_the_model(family: str) -> None:
+    # Issue 45: no tracer and no split points named; stages=4 splits inside model.layers.
+    model = causal_lm(family)
+    plain = twin(model)
+    pipe = gpipe.pipeline(model, example_args=(ids(2),), stages=4, chunks=3,
+                          checkpoint="except_last")
+    assert pipe.tracer == "export"  # torch.fx cannot trace transformers' mask code
+    layers = "transformer.h." if family == "gpt2" else "model.layers."
+    assert len(pipe) == 4 and len(pipe.split_points) == 3, pipe.split_points
+    assert all(sp.startswith(layers) for sp in pipe.split_points), pipe.split_points
+    # The tie is one parameter, its grad the sum of the embedding's and the head's.
+    assert model.lm_head.weight is embedding(model)
+    assert {id(p) for p in pipe.parameters()} == {id(p) for p in model.parameters()}
+    assert list(pipe.state_dict()) == list(model.state_dict())
+    x = ids(5)  # uneven micro-batches
+    out, ref = pipe(x), plain(x)
+    assert type(out) is type(ref) and list(out.keys()) == list(ref.keys())
+    outputs_and_grads_equal(out.logits, ref.logits, model, plain)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_named_split_points_with_a_mask_and_train_step(family: str) -> None:
+    # Issue 45 item 1: split points named by hand, the default tracer, a padding mask.
+    model = causal_lm(family)
+    plain = twin(model)
+    layers = "transformer.h" if family == "gpt2" else "model.layers"
+    pipe = gpipe.pipeline(model, [f"{layers}.1", f"{layers}.3"], (ids(2),),
+                          {"attention_mask": padding(2)}, chunks=3, schedule="1f1b")
+    assert pipe.split_points == [f"{layers}.1", f"{layers}.3"] and pipe.tracer == "export"
+    mask = padding(7)
+    train_step_equals_plain(pipe, model, plain, (ids(7),), ids(7), lm_loss,
+                            kwargs={"attention_mask": mask})
+
+
+def test_balanced_by_time_inside_the_layers() -> None:
+    model = causal_lm("llama", layers=3)
+    plain = twin(model)
+    pipe = gpipe.pipeline(model, example_args=(ids(2),), stages=2, balance_by="time")
+    assert len(pipe.split_points) == 1 and pipe.split_points[0].startswith("model."), \
+        pipe.split_points
+    assert all(p.grad is None for p in model.parameters())  # profiling left no grads
+    x = ids(3)
+    assert max_diff(pipe(x).logits, plain(x).logits) < TOL
+
+
+def test_a_non_tensor_argument_is_fixed_under_export() -> None:
+    # use_cache=False given as an argument (not in the config): fixed, as fx fixes one.
+    model = causal_lm("qwen2", layers=2)
+    model.config.use_cache = True
+    plain = twin(model)
+    pipe = gpipe.pipeline(model, ["model.layers.1"], (ids(2),), {"use_cache": False}, chunks=2)
+    assert pipe.tracer == "export" and pipe.input_names == ["input_ids"]
+    x = ids(4)
+    out, ref = pipe(x, use_cache=False), plain(x, use_cache=False)
+    outputs_and_grads_equal(out.logits, ref.logits, model, plain)
+    with pytest.raises(TypeError, match="use_cache=False"):
+        pipe(x, use_cache=True)
+    grads_equal(model, plain)
