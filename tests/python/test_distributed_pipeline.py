@@ -4,7 +4,7 @@ with the module's state_dict keys (the union over ranks) and a tie across ranks 
 
 Models from test_pipeline: the GPT (tied lm_head, attention mask as a keyword not cut by batch)
 on 3 ranks, the U-Net whose encoder output skips a stage on 4 ranks (the skip travels from rank
-0 to rank 2), with hand-offs matched by tag (Gloo's way) and by order (NCCL's). Each test
+0 to rank 2), Hugging Face causal LMs with the defaults on 2 ranks, with hand-offs matched by tag (Gloo's way) and by order (NCCL's). Each test
 spawns this file as worker processes (test_distributed's ``_spawn``); every rank builds the
 plain model too and compares.
 """
@@ -198,6 +198,40 @@ def _worker_dcp() -> None:
     dist.destroy_process_group()
 
 
+#: Hugging Face causal LMs over 2 ranks with the defaults (tracer="auto", split points chosen):
+#: each family with 1f1b (2 stages), Llama also with zb_v (4 stages in a V).
+HF_RUNS = [("llama", "1f1b"), ("qwen2", "1f1b"), ("mixtral", "1f1b"), ("gpt2", "1f1b"),
+           ("llama", "zb_v")]
+
+
+def _worker_hf() -> None:
+    import copy
+
+    import torch.distributed as dist
+
+    import gpipe.distributed
+    from test_pipeline_hf import causal_lm, ids, lm_loss
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    for family, schedule in HF_RUNS:
+        torch.manual_seed(1)
+        model = causal_lm(family)
+        plain = copy.deepcopy(model)
+        torch.manual_seed(2)
+        x, tgt = ids(6), ids(6)
+        pipe = gpipe.distributed.pipeline(model, example_args=(ids(2),), chunks=3,
+                                          schedule=schedule)
+        loss = pipe.train_step((x,) if pipe.is_first else None, tgt if pipe.is_last else None,
+                               loss_fn=lm_loss)
+        ref = lm_loss(plain(x), tgt)
+        ref.backward()
+        td._report(check=f"{family} {schedule}", grad_error=_grad_error(pipe, plain),
+                   loss_error=abs(loss.item() - ref.item()) if pipe.is_last else 0.0,
+                   split_points=pipe.split_points, tracer=pipe.tracer, stages=pipe.stages,
+                   ties=pipe.tied_parameters)
+    dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES + ("interleaved_1f1b", "zb_v"))
 def test_gpt_over_three_ranks_equals_the_module(schedule):
     found = td._results(_run("gpt", 3), schedule)
@@ -293,5 +327,27 @@ def test_unet_skip_across_ranks_equals_the_module(schedule, handoffs):
     assert found[2]["skips"] == [[[], [[None, "enc1>2"]]]], found[2]
 
 
+@pytest.mark.parametrize("family,schedule", HF_RUNS)
+def test_hugging_face_defaults_over_two_ranks_equal_the_module(family, schedule):
+    # Issue 45: no tracer, no split points; torch.fx cannot trace transformers' mask code, so
+    # every rank exports; the split points fall inside the layers and agree across ranks.
+    pytest.importorskip("transformers")
+    found = td._results(_run("hf", 2), f"{family} {schedule}")
+    layers = "transformer.h." if family == "gpt2" else "model.layers."
+    for rank, r in found.items():
+        assert r["grad_error"] <= 1e-10, (rank, r)
+        assert r["loss_error"] <= 1e-10, (rank, r)
+        assert r["tracer"] == "export", (rank, r)
+        assert r["split_points"] == found[0]["split_points"], (rank, r)
+        assert all(sp.startswith(layers) for sp in r["split_points"]), (rank, r)
+        if schedule == "zb_v":  # embedding and head both on rank 0: no tie across ranks
+            assert len(r["split_points"]) == 3 and r["stages"] == [rank, 3 - rank], (rank, r)
+            assert r["ties"] == [], (rank, r)
+        else:  # the head tied to the embedding across the two ranks
+            assert len(r["split_points"]) == 1 and r["stages"] == [rank], (rank, r)
+            assert [ranks for _, ranks in r["ties"]] == [[0, 1]], (rank, r)
+
+
 if __name__ == "__main__":
-    {"gpt": _worker_gpt, "unet": _worker_unet, "dcp": _worker_dcp}[sys.argv[1]]()
+    {"gpt": _worker_gpt, "unet": _worker_unet, "dcp": _worker_dcp,
+     "hf": _worker_hf}[sys.argv[1]]()
