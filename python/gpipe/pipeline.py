@@ -112,11 +112,12 @@ def _record_values(module: nn.Module, graph: fx.Graph, inputs: List[Any]) -> Dic
             values[n] = out
             return out
 
-    gm = fx.GraphModule(module, graph)
+    # The graph runs on the module itself (no GraphModule made for it: its code would be
+    # generated and compiled for this one run).
     saved = {name: b.detach().clone() for name, b in module.named_buffers()}
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            Recorder(gm).run(*inputs)
+            Recorder(module, graph=graph).run(*inputs)
     finally:
         with torch.no_grad():
             for name, b in module.named_buffers():
