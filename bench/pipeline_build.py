@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import cProfile
 import functools
+import gc
 import importlib
 import os
 import pstats
@@ -29,10 +30,10 @@ import torch
 import torch.nn.functional as F
 
 #: Phases by the function that runs them: (label, its module, its name). Each is timed by a
-#: wrapper put in its module for the build (perf_counter; cProfile would double Python's
-#: share). A function a version lacks is left out.
+#: wrapper put where the build looks it up, for the build (perf_counter; cProfile would double
+#: Python's share). A function a version lacks is left out.
 PHASES = [
-    ("split points (stages=K: one hooked run)", "gpipe._pipeline_split", "balanced_split_points"),
+    ("split points (stages=K: one hooked run)", "gpipe.pipeline", "balanced_split_points"),
     ("torch.fx attempt (tracer='auto')", "gpipe._pipeline_trace", "_fx"),
     ("torch.export.export", "torch.export", "export"),
     ("ExportedProgram.module()", "torch.export.exported_program", "ExportedProgram.module"),
@@ -69,9 +70,21 @@ def timed_phases(totals: Dict[str, float]) -> Iterator[None]:
 
         setattr(owner, attr, functools.wraps(fn)(wrapper))
         undo.append((owner, attr, fn))
+    # Python's garbage collector, wherever it runs (its pauses fall in any phase).
+    totals["(of which the garbage collector)"] = 0.0
+    started = [0.0]
+
+    def collector(phase: str, info: Dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            totals["(of which the garbage collector)"] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(collector)
     try:
         yield
     finally:
+        gc.callbacks.remove(collector)
         for owner, attr, fn in undo:
             setattr(owner, attr, fn)
 
@@ -120,11 +133,14 @@ def in_process(args: argparse.Namespace) -> None:
         begin = time.perf_counter()
         gpipe.pipeline(model, example_args=(ids,), **options(args))
         total = time.perf_counter() - begin
+    collected = totals.pop("(of which the garbage collector)")
     print(f"a warm build again, {total:.3f} s, by phase:")
     for label, seconds in totals.items():
-        print(f"  {label:42s} {seconds:7.3f} s")
+        if seconds:  # (0.0: never called)
+            print(f"  {label:42s} {seconds:7.3f} s")
     print(f"  {'the rest (the cut: routes, state keys...)':42s} "
           f"{total - sum(totals.values()):7.3f} s")
+    print(f"  {'(in all these, the garbage collector)':42s} {collected:7.3f} s")
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
@@ -153,6 +169,7 @@ def rank_main(args: argparse.Namespace) -> None:
                                           **options(args))
         build = time.perf_counter() - begin
     phases = ", ".join(f"{label} {seconds:.3f}" for label, seconds in totals.items() if seconds)
+    phases = phases.replace("(of which the garbage collector)", "of all that, the garbage collector")
     pipe.eval()  # the module's mode (an exported graph runs in it only)
     steps = []
     for _ in range(2):
