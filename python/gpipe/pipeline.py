@@ -49,9 +49,11 @@ class _Stage(fx.GraphModule):
             # Unpickling traces the stage's code again: torch.export's guards (a local
             # function) cannot be saved, and its parameter reads would come back as
             # constants, outside the state_dict.
-            raise TypeError("a pipe made with gpipe.pipeline(..., tracer='export') cannot be "
-                            "pickled (torch.save); save its state_dict() and build the pipe "
-                            "again, or use tracer='fx' (copy.deepcopy works with both)")
+            raise TypeError("a pipe whose stages torch.export made (pipe.tracer == 'export': "
+                            "tracer='export', or the default 'auto' where torch.fx could not "
+                            "trace) cannot be pickled (torch.save); save its state_dict() and "
+                            "build the pipe again, or use tracer='fx' where fx can trace "
+                            "(copy.deepcopy works with both)")
         rebuild, args = super().__reduce__()
         return (_unpickle_stage, (rebuild, args, self.gpipe_skips))
 
@@ -213,7 +215,8 @@ class _Pipelined:
         exported = getattr(self, "_exported_training", None)
         if exported is not None and exported != self.training:  # type: ignore[attr-defined]
             mode = "train" if exported else "eval"
-            raise RuntimeError(f"this pipe was made with tracer='export' from a module in "
+            raise RuntimeError(f"this pipe's stages were made by torch.export (pipe.tracer == "
+                               f"'export') from a module in "
                                f"{mode} mode, and an exported graph keeps that mode (dropout, "
                                f"BatchNorm's statistics) whatever pipe.train()/eval() say: "
                                f"call pipe.{mode}(), or call gpipe.pipeline again with the "

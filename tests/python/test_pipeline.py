@@ -383,6 +383,13 @@ def test_untraceable_by_both_tracers_names_both_attempts() -> None:
     assert "nn.Sequential" in text
 
 
+def test_auto_does_not_export_with_deferred_batch_norm_and_says_so() -> None:
+    from gpipe.pipeline import PipelineError
+    with pytest.raises(PipelineError, match=r"if h.sum\(\) > 0:.*; torch.export was not tried: "
+                                            r"deferred_batch_norm=True needs BatchNorm"):
+        gpipe.pipeline(DataDependent(), ["b"], torch.randn(2, 3), deferred_batch_norm=True)
+
+
 class Wrapped(nn.Module):
     """The same control flow inside a submodule with no split point: called, not traced."""
 
@@ -987,7 +994,7 @@ def test_export_keeps_its_mode_and_refuses_another() -> None:
     with pytest.raises(ValueError, match="deferred_batch_norm=True.*tracer='fx'"):
         gpipe.pipeline(model, ["c"], x, tracer="export", deferred_batch_norm=True)
     # Pickling would trace the stages' code again and lose parameters: refused, naming the way.
-    with pytest.raises(TypeError, match=r"tracer='export'\) cannot be pickled"):
+    with pytest.raises(TypeError, match=r"pipe.tracer == 'export'.* cannot be pickled"):
         pickle.dumps(pipe)
     copied = copy.deepcopy(pipe.eval())
     assert list(copied.state_dict()) == list(model.state_dict())
