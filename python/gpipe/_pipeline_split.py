@@ -25,14 +25,18 @@ from gpipe.balance import _untouched, balance_cost
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 
 
-def candidates(module: nn.Module) -> Tuple[Set[str], Set[str]]:
+def candidates(module: nn.Module, deep: bool = True) -> Tuple[Set[str], Set[str]]:
     """The submodules that may begin a stage, and the modules entered to reach them: the
     root, each outermost ModuleList/Sequential (one not inside another's item) and every
     module above one. The candidates are the children of the entered modules that are not
-    entered themselves (the items of the containers among them)."""
+    entered themselves (the items of the containers among them). Not ``deep``: the root
+    and its own ModuleLists only (the submodules the root's forward itself calls)."""
     containers = []
     for name, m in module.named_modules():
-        if name and isinstance(m, _CONTAINERS) and not any(
+        if not deep:
+            if name and "." not in name and isinstance(m, nn.ModuleList):
+                containers.append(name)
+        elif name and isinstance(m, _CONTAINERS) and not any(
                 name.startswith(c + ".") for c in containers):
             containers.append(name)
     entered = {""}
@@ -49,12 +53,13 @@ def candidates(module: nn.Module) -> Tuple[Set[str], Set[str]]:
 
 
 def calls(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
-          keep_inputs: bool) -> Tuple[List[str], Dict[str, List[Tuple[Any, Any]]]]:
+          keep_inputs: bool, deep: bool = True
+          ) -> Tuple[List[str], Dict[str, List[Tuple[Any, Any]]]]:
     """The candidates the forward calls on the examples, in the order of their first call
     (a candidate called inside another one does not count), and, with ``keep_inputs``, a
     copy of the arguments of every call of each. The module runs once without grad, where it
     is; its parameters, buffers, training mode and the RNG state are left as they were."""
-    found, _ = candidates(module)
+    found, _ = candidates(module, deep)
     order: List[str] = []
     inputs: Dict[str, List[Tuple[Any, Any]]] = {}
     depth = [0]
@@ -92,7 +97,8 @@ def _copy(v: Any) -> Any:
 
 
 def balanced_split_points(module: nn.Module, stages: Any, balance_by: str, example_args: Any,
-                          example_kwargs: Optional[Dict[str, Any]]) -> List[str]:
+                          example_kwargs: Optional[Dict[str, Any]],
+                          deep: bool = True) -> List[str]:
     """Split points for ``stages`` stages over the submodules the forward calls (see
     :func:`candidates`), balanced by parameter count or profiled time."""
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
@@ -102,7 +108,7 @@ def balanced_split_points(module: nn.Module, stages: Any, balance_by: str, examp
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     kwargs = dict(example_kwargs or {})
     inspect.signature(module.forward).bind(*args, **kwargs)  # a TypeError naming the mismatch
-    order, inputs = calls(module, args, kwargs, keep_inputs=balance_by == "time")
+    order, inputs = calls(module, args, kwargs, balance_by == "time", deep)
     if len(order) < stages:
         raise ValueError(f"stages={stages} but {type(module).__name__}.forward calls only "
                          f"{len(order)} submodules to begin stages at ({order}; looking into its "

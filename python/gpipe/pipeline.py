@@ -438,8 +438,19 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
     _check_options(pipe_options, pipe_cls, caller)
     split_points = _checked_split_points(module, split_points)
     signature, bound, names, concrete = _bind(module, example_args, example_kwargs)
-    traced = trace(module, split_points, signature, bound, names, concrete, pipe_options,
-                   tracer)
+    try:
+        traced = trace(module, split_points, signature, bound, names, concrete, pipe_options,
+                       tracer)
+    except PipelineError:
+        # Split points chosen inside a submodule no tracer follows: the submodules the
+        # module's own forward calls instead (under fx they stay untraced), if that traces.
+        fallback = None if stages is None else _shallow(
+            module, stages, balance_by, example_args, example_kwargs, split_points,
+            lambda sp: trace(module, sp, signature, bound, names, concrete, pipe_options,
+                             tracer))
+        if fallback is None:
+            raise
+        split_points, traced = fallback
     graph = traced.graph
     values = _record_values(traced.root, graph, [bound.arguments[n] for n in names])
     nodes = [n for n in graph.nodes if n.op != "output"]
@@ -458,6 +469,21 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
                 key_stages, _options(pipe_options, names),
                 module.training if traced.tracer == "export" else None,
                 [sp for _, sp in begins], traced.tracer, module.training)
+
+
+def _shallow(module: nn.Module, stages: int, balance_by: str, example_args: Any,
+             example_kwargs: Optional[Dict[str, Any]], deep: List[str],
+             trace_at: Callable[[List[str]], Traced]) -> Optional[Tuple[List[str], Traced]]:
+    """Split points balanced over the submodules the root's forward calls, and the graph
+    traced for them; None where they are the ``deep`` ones, too few, or do not trace."""
+    try:
+        shallow = balanced_split_points(module, stages, balance_by, example_args,
+                                        example_kwargs, deep=False)
+        if shallow == deep:
+            return None
+        return shallow, trace_at(shallow)
+    except (PipelineError, ValueError):
+        return None
 
 
 def _check_options(pipe_options: Dict[str, Any], pipe_cls: type, caller: str) -> None:

@@ -655,6 +655,42 @@ def test_stages_split_inside_a_submodules_module_list() -> None:
         gpipe.pipeline(model, example_args=idx_of(2), stages=10)
 
 
+class Gated(nn.Module):
+    """A ModuleList inside a forward that branches on a value: no tracer enters it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        if x.sum() > 0:
+            x = -x
+        return x
+
+
+class AroundGated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.body, self.out = nn.Linear(4, 4), Gated(), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.body(self.inp(x)))
+
+
+def test_stages_fall_back_to_the_submodules_the_root_calls() -> None:
+    # stages=2 by parameters would begin at body.layers.2, inside a forward neither tracer
+    # follows; the split then falls back to the root's own calls (body stays untraced).
+    model = AroundGated().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    pipe = gpipe.pipeline(model, example_args=x, stages=2, chunks=1)
+    assert pipe.tracer == "fx" and pipe.split_points in (["body"], ["out"]), pipe.split_points
+    assert max_diff(pipe(x), model(x)) < TOL
+    with pytest.raises(RuntimeError, match="torch.fx nor with torch.export"):
+        gpipe.pipeline(model, ["body.layers.2"], x)
+
+
 class Outer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
