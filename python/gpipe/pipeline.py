@@ -586,10 +586,10 @@ def _stage_of(nodes: List[fx.Node], index: Dict[fx.Node, int], values: Dict[fx.N
         while s < len(begins) and index[n] >= begins[s]:
             s += 1
         stage_of[n] = 0 if n.op == "placeholder" else s
-    # A getitem of a value holding several tensors (a module returning a tuple) runs where
-    # that value is made, so only single tensors cross.
+    # A getitem or getattr of a value holding several tensors (a module returning a tuple,
+    # or a ModelOutput) runs where that value is made, so only single tensors cross.
     for n in nodes:
-        if (n.op == "call_function" and n.target is operator.getitem
+        if (n.op == "call_function" and n.target in (operator.getitem, getattr)
                 and isinstance(n.args[0], fx.Node) and not isinstance(values.get(n.args[0]), Tensor)
                 and _leaves_have_tensor(values.get(n.args[0]))):
             stage_of[n] = stage_of[n.args[0]]
@@ -634,6 +634,10 @@ def _needs(graph: fx.Graph, tracer: str, nodes: List[fx.Node], values: Dict[fx.N
         out_flat, out_spec = list(output.args[0]), info.out_spec
     elif "gpipe_out_spec" in output.meta:  # fx: the leaves (_Tracer.create_args_for_root)
         out_flat, out_spec = list(output.args[0]), output.meta["gpipe_out_spec"]
+    # A traced value that was None on the example (a ModelOutput's unset field read from
+    # a submodule's output under fx) is returned as the constant None.
+    out_flat = [None if isinstance(x, fx.Node) and x in values and values[x] is None else x
+                for x in out_flat]
     out_nodes = [x for x in out_flat if isinstance(x, fx.Node)]
     for x in out_nodes:
         if not isinstance(values.get(x), Tensor):

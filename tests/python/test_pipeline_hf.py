@@ -123,3 +123,55 @@ def test_a_non_tensor_argument_is_fixed_under_export() -> None:
     with pytest.raises(TypeError, match="use_cache=False"):
         pipe(x, use_cache=True)
     grads_equal(model, plain)
+
+
+def test_a_split_at_the_head_traces_with_fx() -> None:
+    # Only the root is traced (model is one call): fx suffices, and the ModelOutput's fields
+    # the model leaves unset (None on the example) come back as None, not as outputs.
+    model = causal_lm("llama", layers=2)
+    plain = twin(model)
+    pipe = gpipe.pipeline(model, ["lm_head"], (ids(2),), chunks=2)
+    assert pipe.tracer == "fx" and pipe.split_points == ["lm_head"]
+    x = ids(5)
+    out, ref = pipe(x), plain(x)
+    assert type(out) is type(ref) and list(out.keys()) == list(ref.keys()) == ["logits"]
+    outputs_and_grads_equal(out.logits, ref.logits, model, plain)
+
+
+def other_causal_lm(family: str) -> nn.Module:
+    """More families, tiny and tied, through the same defaults (built from configs)."""
+    common: Dict[str, Any] = dict(vocab_size=V, tie_word_embeddings=True, use_cache=False,
+                                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    llama_like = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    configs = {
+        "mistral": ("MistralConfig", "MistralForCausalLM", llama_like),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(llama_like, head_dim=4)),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", llama_like),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(llama_like, head_dim=4)),
+        "opt": ("OPTConfig", "OPTForCausalLM",
+                dict(hidden_size=16, ffn_dim=32, num_hidden_layers=3, num_attention_heads=4,
+                     max_position_embeddings=32, word_embed_proj_dim=16)),
+        "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                     dict(hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                          num_attention_heads=4, max_position_embeddings=32)),
+        "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=16, n_layer=3, n_head=4)),
+    }
+    config, model, sizes = configs[family]
+    built = getattr(transformers, model)(getattr(transformers, config)(**common, **sizes))
+    return built.double().eval()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "phi3", "gemma", "opt", "gpt_neox",
+                                    "bloom"])
+def test_more_families_with_the_defaults(family: str) -> None:
+    model = other_causal_lm(family)
+    plain = twin(model)
+    # Gemma's RMSNorm computes in float32 whatever the model's dtype, so its weights' grads,
+    # summed over micro-batches, match to float32's precision only: one micro-batch there.
+    chunks = 1 if family == "gemma" else 2
+    pipe = gpipe.pipeline(model, example_args=(ids(2),), stages=3, chunks=chunks)
+    assert pipe.tracer == "export" and len(pipe.split_points) == 2
+    assert all(".layers." in sp or ".h." in sp for sp in pipe.split_points), pipe.split_points
+    x = ids(4)
+    outputs_and_grads_equal(pipe(x).logits, plain(x).logits, model, plain)
