@@ -123,7 +123,8 @@ def _user_frame(tb: Any) -> Tuple[Optional[traceback.FrameSummary], Any]:
     while tb is not None:
         frame = tb.tb_frame
         path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(torch_dir) and path != here and not path.startswith("<"):
+        generated = frame.f_code.co_filename.startswith("<")  # "<string>": exec'd code
+        if not path.startswith(torch_dir) and path != here and not generated:
             found = traceback.FrameSummary(frame.f_code.co_filename, tb.tb_lineno,
                                            frame.f_code.co_name)
             owner = frame.f_locals.get("self")

@@ -159,6 +159,8 @@ class _Cut(NamedTuple):
     tracer: str = "fx"
     #: The module's training mode, which the pipe starts in.
     training: bool = True
+    #: Fixed arguments the examples did not give (``_IMPLIED``): a call may leave them out.
+    implied: Tuple[str, ...] = ()
 
 
 class _Pipelined:
@@ -179,6 +181,7 @@ class _Pipelined:
         self._key_order = cut.key_order
         self._key_stages = cut.key_stages
         self._exported_training = cut.exported_training
+        self._implied = cut.implied
         #: The submodules where stages 1, 2, ... begin (chosen by ``stages=K``, or the
         #: split points given), in the order the forward uses them.
         self.split_points = list(cut.split_points)
@@ -238,7 +241,10 @@ class _Pipelined:
                             f"{self.input_names} but was called without {missing}; pass them, "
                             f"or call gpipe.pipeline again with examples of the arguments you "
                             f"want to pass")
+        implied = getattr(self, "_implied", ())
         for name, fixed in self._fixed.items():
+            if name in implied and name not in bound.arguments:
+                continue  # passed as traced
             value = bound.arguments.get(name, self._signature.parameters[name].default)
             same = value is fixed
             if not same and not isinstance(value, Tensor) and not isinstance(fixed, Tensor):
@@ -247,10 +253,11 @@ class _Pipelined:
                 except Exception:
                     same = False
             if not same:
-                raise TypeError(f"this pipeline was traced with {name}={fixed!r} (fixed: not a "
-                                f"tensor in the examples) but was called with {name}={value!r}; "
-                                f"call gpipe.pipeline again with that value, or with a tensor "
-                                f"example to make it an input")
+                why = ("gpipe.pipeline passes it when the examples do not" if name in implied
+                       else "fixed: not a tensor in the examples")
+                raise TypeError(f"this pipeline was traced with {name}={fixed!r} ({why}) but was "
+                                f"called with {name}={value!r}; call gpipe.pipeline again with "
+                                f"that value, or with a tensor example to make it an input")
         values = [bound.arguments[n] for n in self.input_names]
         return values[0] if len(values) == 1 else tuple(values)
 
@@ -437,7 +444,7 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
                          "(a number of stages to balance by parameter count)")
     _check_options(pipe_options, pipe_cls, caller)
     split_points = _checked_split_points(module, split_points)
-    signature, bound, names, concrete = _bind(module, example_args, example_kwargs)
+    signature, bound, names, concrete, implied = _bind(module, example_args, example_kwargs)
     try:
         traced = trace(module, split_points, signature, bound, names, concrete, pipe_options,
                        tracer)
@@ -468,7 +475,8 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
     return _Cut(stages_, names, concrete, signature, out_spec, out_constants, key_order,
                 key_stages, _options(pipe_options, names),
                 module.training if traced.tracer == "export" else None,
-                [sp for _, sp in begins], traced.tracer, module.training)
+                [sp for _, sp in begins], traced.tracer, module.training,
+                tuple(implied))
 
 
 def _shallow(module: nn.Module, stages: int, balance_by: str, example_args: Any,
@@ -517,9 +525,11 @@ def _checked_split_points(module: nn.Module, split_points: Any) -> List[str]:
 
 
 def _bind(module: nn.Module, example_args: Any, example_kwargs: Optional[Dict[str, Any]]
-          ) -> Tuple[inspect.Signature, inspect.BoundArguments, List[str], Dict[str, Any]]:
+          ) -> Tuple[inspect.Signature, inspect.BoundArguments, List[str], Dict[str, Any],
+                     List[str]]:
     """The examples bound to the forward's signature: which parameters are the Pipe's inputs
-    (tensors given), in signature order, and the others' fixed values."""
+    (tensors given), in signature order, the others' fixed values, and which of those the
+    pipe passes itself (``_IMPLIED``, not given)."""
     example_args = example_args if isinstance(example_args, tuple) else (example_args,)
     signature = inspect.signature(module.forward)
     bound = signature.bind(*example_args, **dict(example_kwargs or {}))
@@ -533,6 +543,7 @@ def _bind(module: nn.Module, example_args: Any, example_kwargs: Optional[Dict[st
                                 f"Pipe's inputs; pass only the forward's named parameters")
     names: List[str] = []
     concrete: Dict[str, Any] = {}
+    implied: List[str] = []
     for name, p in signature.parameters.items():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
@@ -540,12 +551,21 @@ def _bind(module: nn.Module, example_args: Any, example_kwargs: Optional[Dict[st
             names.append(name)
         elif name in bound.arguments:
             concrete[name] = bound.arguments[name]
+        elif name in _IMPLIED:
+            # Given to the trace as if passed (bound.arguments: torch.export takes it too).
+            concrete[name] = bound.arguments[name] = _IMPLIED[name]
+            implied.append(name)
         else:
             concrete[name] = p.default
     if not names:
         raise ValueError("example_args and example_kwargs give no tensor; the Pipe needs at "
                          "least one tensor input to cut into micro-batches")
-    return signature, bound, names, concrete
+    return signature, bound, names, concrete, implied
+
+
+#: Arguments a pipe passes when the examples do not give them: ``use_cache=False`` (a
+#: Hugging Face forward returns a cache object otherwise, which holds no tensor to cut).
+_IMPLIED = {"use_cache": False}
 
 
 def _begins(module: nn.Module, split_points: List[str], nodes: List[fx.Node],

@@ -215,7 +215,7 @@ def _worker_hf() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     for family, schedule in HF_RUNS:
         torch.manual_seed(1)
-        model = causal_lm(family)
+        model = causal_lm(family, use_cache=family == "qwen2")  # (True: the config's default)
         plain = copy.deepcopy(model)
         torch.manual_seed(2)
         x, tgt = ids(6), ids(6)

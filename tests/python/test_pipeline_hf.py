@@ -19,9 +19,10 @@ transformers = pytest.importorskip("transformers")
 V, T = 64, 6
 
 
-def causal_lm(family: str, layers: int = 4) -> nn.Module:
-    """A tiny random causal LM of ``family``, tied head, no cache, float64, eval mode."""
-    common: Dict[str, Any] = dict(vocab_size=V, tie_word_embeddings=True, use_cache=False,
+def causal_lm(family: str, layers: int = 4, use_cache: bool = False) -> nn.Module:
+    """A tiny random causal LM of ``family``, tied head, float64, eval mode; ``use_cache``
+    as its config says (True is transformers' default)."""
+    common: Dict[str, Any] = dict(vocab_size=V, tie_word_embeddings=True, use_cache=use_cache,
                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if family == "gpt2":
         config = transformers.GPT2Config(n_layer=layers, n_embd=16, n_head=2, n_positions=16,
@@ -110,10 +111,25 @@ def test_balanced_by_time_inside_the_layers() -> None:
     assert max_diff(pipe(x).logits, plain(x).logits) < TOL
 
 
+def test_the_config_s_default_use_cache_is_passed_as_false() -> None:
+    # transformers' configs default to use_cache=True, and the forward then returns a
+    # DynamicCache, which no Pipe can cut or join: the pipe passes use_cache=False.
+    model = causal_lm("llama", layers=2, use_cache=True)
+    plain = twin(model)
+    pipe = gpipe.pipeline(model, example_args=(ids(2),), stages=2, chunks=2)
+    assert pipe.input_names == ["input_ids"]
+    x = ids(5)
+    out, ref = pipe(x), plain(x)
+    assert ref.past_key_values is not None and list(out.keys()) == ["logits"]
+    outputs_and_grads_equal(out.logits, ref.logits, model, plain)
+    assert max_diff(pipe(x, use_cache=False).logits, ref.logits) < TOL
+    with pytest.raises(TypeError, match="use_cache=False .gpipe.pipeline passes it"):
+        pipe(x, use_cache=True)
+
+
 def test_a_non_tensor_argument_is_fixed_under_export() -> None:
     # use_cache=False given as an argument (not in the config): fixed, as fx fixes one.
-    model = causal_lm("qwen2", layers=2)
-    model.config.use_cache = True
+    model = causal_lm("qwen2", layers=2, use_cache=True)
     plain = twin(model)
     pipe = gpipe.pipeline(model, ["model.layers.1"], (ids(2),), {"use_cache": False}, chunks=2)
     assert pipe.tracer == "export" and pipe.input_names == ["input_ids"]
