@@ -661,10 +661,14 @@ def pipeline(module: nn.Module, split_points: Optional[Sequence[str]] = None,
     ``schedule='zb_v'``, two stages per rank in a V).
 
     Every rank calls it with the same module (built the same way) and the same arguments;
-    each traces the module and keeps its own stages. K split points give K + 1 stages,
-    which must be R * ``virtual_stages``; with neither ``split_points`` nor ``stages``, the
-    module is cut into that many stages, balanced by ``balance_by`` (with ``"time"``, the
-    split points the group's first rank profiled, sent to the others). ``pipe_options`` are
+    each traces the module (``tracer`` as in :func:`gpipe.pipeline`: by default torch.fx,
+    and torch.export where fx cannot trace) and keeps its own stages. K split points give
+    K + 1 stages, which must be R * ``virtual_stages``; with neither ``split_points`` nor
+    ``stages``, the module is cut into that many stages, balanced by ``balance_by`` over
+    the submodules its forward calls, down into its ModuleLists and Sequentials (a Hugging
+    Face causal LM splits inside ``model.layers``; with ``"time"``, the split points the
+    group's first rank profiled, sent to the others). ``pipe.split_points`` and
+    ``pipe.tracer`` say what was chosen. ``pipe_options`` are
     :class:`Pipe`'s own (``chunks``, ``schedule``, ``group``, ``dp_group``, ``device``...),
     except ``balance``; ``batch_dim`` may name the forward's parameters as in
     :func:`gpipe.pipeline`.
