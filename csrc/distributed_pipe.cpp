@@ -22,7 +22,7 @@ DistributedPipeImpl::DistributedPipeImpl(torch::nn::Sequential sequential,
     : options_(std::move(options)) {
   const auto& group = options_.group();
   GPIPE_CHECK_VALUE(group, "DistributedPipeOptions has no group; pass .group(process_group) "
-                    "(from your launcher, or c10d::resolve_process_group(name))");
+                    "(gpipe::distributed::init_process_group(), or c10d::resolve_process_group(name))");
   const int64_t ranks = group->getSize();
   rank_ = group->getRank();
   int64_t v = options_.virtual_stages();

@@ -7,7 +7,8 @@
 # Idempotent and non-interactive (works as root without sudo, with CI=true and
 # no stdin). Touches the network only when something is missing:
 #   * Debian: cmake, ninja-build, g++, catch2 (v2: <catch2/catch.hpp>,
-#     Catch.cmake), and python3 + python3-venv when there is no python3 able
+#     Catch.cmake), libgloo-dev (Gloo's headers, for process groups made from
+#     C++: cmake/GPipeBackends.cmake), and python3 + python3-venv when there is no python3 able
 #     to make a virtual environment; `apt-get update` runs only when one of
 #     them is missing.
 #   * Python: the project's virtual environment .venv/ (git-ignored), made by
@@ -33,7 +34,7 @@ venv="$root/.venv"
 export DEBIAN_FRONTEND=noninteractive
 
 # ---- Debian packages ---------------------------------------------------------
-debian_packages=(cmake ninja-build g++ catch2)
+debian_packages=(cmake ninja-build g++ catch2 libgloo-dev)
 if [[ -z ${GPIPE_PYTHON:-} ]] && [[ ! -x $venv/bin/python || ! -e $venv/bin/pip ]]; then
   # Making .venv needs a python3 with venv and ensurepip; Debian's python3
   # has them only with python3-venv installed. Another python3 (pyenv,

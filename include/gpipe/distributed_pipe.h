@@ -49,9 +49,9 @@ struct DistributedPipeOptions {
   /// PipeOptions::schedule_csv); every rank passes the same table.
   TORCH_ARG(std::string, schedule_csv) = "";
   /// The pipeline's ranks: a Gloo group (its world size 1 needs no
-  /// backend). C++ programs get it from their launcher or from Python
-  /// (`c10d::resolve_process_group(name)`): the pip wheel ships no Gloo
-  /// headers to create one with.
+  /// backend). C++ programs make it with
+  /// `gpipe::distributed::init_process_group` (gpipe/process_group.h) or
+  /// get it from Python (`c10d::resolve_process_group(name)`).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, group);
   /// The group's ranks again (same order), for hand-offs to lower ranks:
   /// needed over NCCL, which runs a pair's sends and receives on one ordered

@@ -7,5 +7,6 @@
 #include <gpipe/options.h>
 #include <gpipe/phase.h>
 #include <gpipe/pipe.h>
+#include <gpipe/process_group.h>
 #include <gpipe/skip.h>
 #include <gpipe/trace.h>
