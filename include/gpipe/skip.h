@@ -67,8 +67,17 @@ struct SkipKey {
   uint64_t ns = 0;
   /// The name the layers stash and pop it by.
   std::string name;
+  // Written out, not a defaulted operator<=>: the public headers compile as
+  // C++17 too.
+  /// Equal when namespace and name are.
+  friend bool operator==(const SkipKey& a, const SkipKey& b) {
+    return a.ns == b.ns && a.name == b.name;
+  }
+  friend bool operator!=(const SkipKey& a, const SkipKey& b) { return !(a == b); }
   /// Ordered by namespace, then name.
-  auto operator<=>(const SkipKey& other) const = default;
+  friend bool operator<(const SkipKey& a, const SkipKey& b) {
+    return a.ns != b.ns ? a.ns < b.ns : a.name < b.name;
+  }
 };
 
 /// The names a Skippable layer stashes and pops.

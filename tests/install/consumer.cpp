@@ -1,4 +1,4 @@
-// consumer.cpp — uses the installed umbrella header and library: prints a checkpoint mode and a balance.
+// consumer.cpp — uses the installed umbrella header and library: prints a checkpoint mode, a balance, its C++ standard and whether gpipe makes Gloo groups.
 #include <gpipe/gpipe.h>  // the only gpipe header: it must bring every public one
 
 #include <torch/nn/modules/linear.h>
@@ -13,6 +13,9 @@ int main() {
   const auto balance = gpipe::balance_by_params(2, model);
   std::cout << gpipe::to_string(options.checkpoint()) << " balance";
   for (auto layers : balance) std::cout << " " << layers;
-  std::cout << "\n";
+  // The standard this file was compiled as (the headers serve C++17 and 20),
+  // and whether the library can make a Gloo group with no Python.
+  std::cout << " c++" << (__cplusplus >= 202002L ? 20 : 17) << " gloo "
+            << (gpipe::distributed::has_backend("gloo") ? "yes" : "no") << "\n";
   return options.chunks() == 2 ? 0 : 1;
 }

@@ -2,13 +2,14 @@
 #
 # cmake -DGPIPE_BINARY_DIR=... -DGPIPE_WORK_DIR=... -DCONSUMER_SOURCE_DIR=...
 #       -DTORCH_PREFIX=... -DTORCH_VERSION=... -DGENERATOR=... -DCXX_COMPILER=...
-#       -DBUILD_TYPE=... -P run_install_test.cmake
+#       -DBUILD_TYPE=... -DGLOO=yes|no -P run_install_test.cmake
 #
 # Checks, in order:
 # 0. <gpipe/gpipe.h> includes every other installed header.
-# 1. A consumer that sets CMAKE_CXX_STANDARD 20 before find_package(GPipe)
-#    configures (torch's CUDA setup runs no GPU probe), builds, and runs, using
-#    gpipe through <gpipe/gpipe.h> alone.
+# 1. A consumer that sets CMAKE_CXX_STANDARD 20 (then 17) before
+#    find_package(GPipe) configures (torch's CUDA setup runs no GPU probe),
+#    builds, and runs, using gpipe through <gpipe/gpipe.h> alone, and says
+#    whether the library makes Gloo groups (GLOO: yes or no, as configured).
 # 2. Against a torch of another version, find_package(GPipe) stops with a
 #    message naming both versions. The other torch is a stand-in: a
 #    TorchConfig.cmake that reports version 0.0.1 and defines nothing else
@@ -49,19 +50,24 @@ foreach(header IN LISTS headers)
   endif()
 endforeach()
 
-# -- 1. the consumer --------------------------------------------------------------
-run("${CMAKE_COMMAND}" -S "${CONSUMER_SOURCE_DIR}" -B "${build}" -G "${GENERATOR}"
-    "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" "-DCMAKE_BUILD_TYPE=${BUILD_TYPE}")
-run("${CMAKE_COMMAND}" --build "${build}")
-
-set(expected "always balance 1 2")
-execute_process(COMMAND "${build}/consumer" RESULT_VARIABLE result OUTPUT_VARIABLE output)
-string(STRIP "${output}" output)
-if(NOT result EQUAL 0 OR NOT output STREQUAL expected)
-  message(FATAL_ERROR "install test: consumer exited ${result} and printed '${output}', "
-                      "expected '${expected}'")
-endif()
-message(STATUS "install test: consumer printed '${output}'")
+# -- 1. the consumer, as C++20 and as C++17 ----------------------------------------
+foreach(standard 20 17)
+  set(consumer_build "${build}-${standard}")
+  file(REMOVE_RECURSE "${consumer_build}")
+  run("${CMAKE_COMMAND}" -S "${CONSUMER_SOURCE_DIR}" -B "${consumer_build}" -G "${GENERATOR}"
+      "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" "-DCMAKE_BUILD_TYPE=${BUILD_TYPE}"
+      "-DCONSUMER_CXX_STANDARD=${standard}")
+  run("${CMAKE_COMMAND}" --build "${consumer_build}")
+  set(expected "always balance 1 2 c++${standard} gloo ${GLOO}")
+  execute_process(COMMAND "${consumer_build}/consumer" RESULT_VARIABLE result
+                  OUTPUT_VARIABLE output)
+  string(STRIP "${output}" output)
+  if(NOT result EQUAL 0 OR NOT output STREQUAL expected)
+    message(FATAL_ERROR "install test: the C++${standard} consumer exited ${result} and printed "
+                        "'${output}', expected '${expected}'")
+  endif()
+  message(STATUS "install test: consumer printed '${output}'")
+endforeach()
 
 # -- 2. another torch ---------------------------------------------------------------
 file(WRITE "${fake_torch}/TorchConfigVersion.cmake"
