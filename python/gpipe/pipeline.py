@@ -433,6 +433,7 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
     """What :func:`pipeline` and :func:`gpipe.distributed.pipeline` share: ``module`` traced
     and cut into stages, with what calling the pipe like the module takes; ``pipe_options``
     are checked against ``pipe_cls``'s."""
+    _check_options(pipe_options, pipe_cls, caller)
     if stages is not None:
         if split_points is not None:
             raise ValueError(f"pass split_points or stages, not both (got split_points="
@@ -442,7 +443,6 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
     elif split_points is None:
         raise ValueError("pass split_points (submodule names where stages begin) or stages "
                          "(a number of stages to balance by parameter count)")
-    _check_options(pipe_options, pipe_cls, caller)
     split_points = _checked_split_points(module, split_points)
     signature, bound, names, concrete, implied = _bind(module, example_args, example_kwargs)
     try:
@@ -468,11 +468,11 @@ def _cut(module: nn.Module, split_points: Optional[Sequence[str]], example_args:
     ext, remat, out_nodes, out_spec, out_constants = _needs(graph, traced.tracer, nodes, values,
                                                             stage_of, n_stages)
     hand, skips_out, skips_in = _routes(ext, stage_of, index, n_stages)
-    stages_ = [_stage(traced, k, n_stages, nodes, index, stage_of, remat[k],
+    modules = [_stage(traced, k, n_stages, nodes, index, stage_of, remat[k],
                       traced.order if k == 0 else hand[k - 1], skips_in[k], skips_out[k],
                       out_nodes if k == n_stages - 1 else hand[k]) for k in range(n_stages)]
-    key_order, key_stages = _state_keys(module, traced.root, stages_)
-    return _Cut(stages_, names, concrete, signature, out_spec, out_constants, key_order,
+    key_order, key_stages = _state_keys(module, traced.root, modules)
+    return _Cut(modules, names, concrete, signature, out_spec, out_constants, key_order,
                 key_stages, _options(pipe_options, names),
                 module.training if traced.tracer == "export" else None,
                 [sp for _, sp in begins], traced.tracer, module.training,
