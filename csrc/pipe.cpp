@@ -40,6 +40,15 @@ std::vector<c10::Device> default_devices(size_t stages) {
   return std::vector<c10::Device>(stages, c10::Device(c10::kCPU));
 }
 
+/// What puts several stages on each device, for messages: "zb_v runs 2
+/// stages on each device (a V)".
+std::string stages_per_device(detail::PlanKind kind, int64_t v) {
+  return (kind == detail::PlanKind::ZBV ? std::string("schedule zb_v")
+                                        : "virtual_stages " + std::to_string(v)) +
+         " runs " + std::to_string(v) + " stages on each device" +
+         (kind == detail::PlanKind::ZBV ? " (a V)" : "");
+}
+
 }  // namespace
 
 PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
@@ -76,8 +85,17 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
                       "balance is empty and there are no devices to count stages by; pass "
                       "PipeOptions().balance({...}) (layers per stage) or .devices({...}) (one per "
                       "stage, e.g. {torch::kCPU, torch::kCPU}) to have a balance computed");
-    const auto stages =
-        v * std::min<int64_t>(static_cast<int64_t>(devices.size()), std::max<int64_t>(layers / v, 1));
+    // Several stages per device fill every device or are refused: leaving
+    // some unused would be a silent surprise (one stage per device keeps
+    // torchgpipe's rule, as many stages as layers allow).
+    const auto given = static_cast<int64_t>(devices.size());
+    GPIPE_CHECK_VALUE(v == 1 || layers >= v * given, stages_per_device(layout.kind, v), ", so ",
+                      detail::count(given, "device"), " need at least ", v * given,
+                      " layers to balance over, but the Sequential has ",
+                      detail::count(layers, "layer"), "; pass ",
+                      detail::count(std::max<int64_t>(layers / v, 1), "device"),
+                      " (or a balance)");
+    const auto stages = v * std::min<int64_t>(given, std::max<int64_t>(layers / v, 1));
     options_.balance(options_.sample().defined()
                          ? balance_by_time(stages, sequential_, options_.sample(),
                                            BalanceOptions().device(devices.front()))
@@ -106,6 +124,14 @@ PipeImpl::PipeImpl(torch::nn::Sequential sequential, PipeOptions options)
                     " but only ", detail::count(static_cast<int64_t>(devices.size()), "device"),
                     devices.size() == 1 ? " is" : " are", " given ", listed(devices),
                     "; pass at least one device per stage, or fewer stages");
+  GPIPE_CHECK_VALUE(v == 1 || devices.size() == workers, "balance ", listed(balance), " has ",
+                    detail::count(static_cast<int64_t>(stages), "stage"), " and ",
+                    stages_per_device(layout.kind, v), ", so it uses ",
+                    detail::count(static_cast<int64_t>(workers), "device"), ", but ",
+                    detail::count(static_cast<int64_t>(devices.size()), "device"), " are given ",
+                    listed(devices), "; pass ", detail::count(static_cast<int64_t>(workers), "device"),
+                    " to use ", workers, ", or ", v * static_cast<int64_t>(devices.size()),
+                    " entries (", v, " per device) to use all ", devices.size());
   devices.erase(devices.begin() + static_cast<std::ptrdiff_t>(workers), devices.end());
   // Stage j runs on worker j mod W, on its device; under ZB-V on the V's worker (plan.h).
   std::vector<c10::Device> stage_devices;
@@ -252,6 +278,41 @@ void PipeImpl::to(torch::Device device, bool /*non_blocking*/) {
   GPIPE_CHECK_VALUE(false, "a Pipe keeps each stage on its own device ", listed(devices()),
               " and cannot be moved as a whole to ", device,
               "; choose devices with PipeOptions().devices(...), or cast with to(dtype)");
+}
+
+std::shared_ptr<torch::nn::Module> PipeImpl::clone(const std::optional<torch::Device>& device) const {
+  GPIPE_CHECK_VALUE(!device, "Pipe::clone(", device ? c10::str(*device) : "", ") would put the "
+                    "copy on one device, but a Pipe's stages keep their devices ",
+                    listed(devices()), "; call clone() with no device (a copy on the same "
+                    "devices), or wrap sequential()->clone() in a new Pipe with "
+                    "PipeOptions().devices({...})");
+  // Layer by layer, so a layer that cannot be cloned is named; a tensor two
+  // layers share would come back as two (each layer clones its own), so it is
+  // refused rather than silently untied.
+  std::unordered_map<const c10::TensorImpl*, size_t> owner;
+  torch::nn::Sequential copy;
+  const auto children = sequential_->named_children();
+  size_t i = 0;
+  for (const auto& layer : *sequential_) {
+    for (const auto& tensor : layer.ptr()->parameters()) {
+      const auto [it, inserted] = owner.emplace(tensor.unsafeGetTensorImpl(), i);
+      GPIPE_CHECK_VALUE(inserted || it->second == i, "Pipe::clone: layers ", it->second, " and ",
+                        i, " share a parameter (tied weights), which a clone would untie; build "
+                        "a new Pipe over a Sequential whose layers share it again");
+    }
+    torch::nn::AnyModule cloned;
+    try {
+      cloned = layer.clone();
+    } catch (const c10::Error& e) {
+      detail::throw_value_error(c10::str(
+          "Pipe::clone: layer ", i, " (", layer.ptr()->name(), ") cannot be cloned: ",
+          detail::first_line(e.what_without_backtrace()),
+          "; derive it from torch::nn::Cloneable, or build a new Pipe over a copy you make"));
+    }
+    copy->push_back(children[i].key(), std::move(cloned));
+    ++i;
+  }
+  return std::make_shared<PipeImpl>(std::move(copy), options_);
 }
 
 void PipeImpl::pretty_print(std::ostream& stream) const {

@@ -76,7 +76,8 @@ struct PipeOptions {
   /// count (see balance.h).
   TORCH_ARG(std::vector<int64_t>, balance) = {};
   /// One device per worker, i.e. per stage unless `virtual_stages` > 1
-  /// (extra ones are ignored). Empty: the available CUDA
+  /// (extra ones are ignored with one stage per device, and refused with
+  /// several, e.g. under zb_v: every device given is used). Empty: the available CUDA
   /// devices in order, or the CPU for every stage when there is no CUDA
   /// (then `balance` must be given, or the devices, to fix the stage count).
   TORCH_ARG(std::vector<c10::Device>, devices) = {};

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace gpipe {
@@ -148,6 +149,14 @@ class PipeImpl : public torch::nn::Module {
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;
   using torch::nn::Module::to;
+
+  /// A deep copy, as torch's Cloneable gives: the layers cloned (their
+  /// parameters and buffers copied, on the devices they live on now) in a
+  /// new Pipe with these resolved options. A `device` is refused (the stages
+  /// keep their devices), as are layers sharing a parameter (a clone would
+  /// untie them) and layers that cannot be cloned, each naming the fix.
+  std::shared_ptr<torch::nn::Module> clone(
+      const std::optional<torch::Device>& device = std::nullopt) const override;
 
   void pretty_print(std::ostream& stream) const override;
 

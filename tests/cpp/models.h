@@ -404,4 +404,17 @@ class TiedImpl : public torch::nn::Cloneable<TiedImpl> {
 };
 TORCH_MODULE(Tied);
 
+/// x @ weight, with `weight` given: two of these share one parameter (tied weights).
+class SharedWeightImpl : public torch::nn::Cloneable<SharedWeightImpl> {
+ public:
+  explicit SharedWeightImpl(torch::Tensor w) : w_(std::move(w)) { reset(); }
+  void reset() override { weight = register_parameter("weight", w_); }
+  torch::Tensor forward(const torch::Tensor& x) { return x.matmul(weight); }
+  torch::Tensor weight;
+
+ private:
+  torch::Tensor w_;
+};
+TORCH_MODULE(SharedWeight);
+
 }  // namespace gpipe_test

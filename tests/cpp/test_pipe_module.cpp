@@ -237,3 +237,60 @@ TEST_CASE("module: a list in and a list out through forward_tuple", "[module]") 
   CHECK(max_abs_diff(a_pipe.grad(), a_ref.grad()) <= kTolerance);
   check_param_grads(*pipe, *ref);
 }
+
+TEST_CASE("module: clone() is a deep copy on the same devices with the same options",
+          "[module]") {
+  auto model = with_batchnorm();
+  auto reference = deep_copy(model);
+  // One micro-batch: BatchNorm then sees the plain model's batch.
+  gpipe::Pipe pipe(model, PipeOptions().balance({2, 2}).chunks(1).checkpoint(Checkpoint::Always));
+  auto copied = std::dynamic_pointer_cast<gpipe::PipeImpl>(pipe->clone());
+  REQUIRE(copied != nullptr);
+  CHECK(copied->balance() == pipe->balance());
+  CHECK(copied->devices() == pipe->devices());
+  CHECK(copied->chunks() == 1);
+  CHECK(copied->checkpoint() == Checkpoint::Always);
+  CHECK(keys_of(copied->named_parameters()) == keys_of(pipe->named_parameters()));
+  CHECK(keys_of(copied->named_buffers()) == keys_of(pipe->named_buffers()));
+  // Its own tensors, equal in value: training the copy leaves the original as it was.
+  auto original = pipe->named_parameters();
+  for (const auto& p : copied->named_parameters()) {
+    CHECK(p.value().data_ptr() != original[p.key()].data_ptr());
+    CHECK(torch::equal(p.value(), original[p.key()]));
+  }
+  const auto x = randn64({6, 4});
+  copied->forward(x).sum().backward();
+  for (const auto& p : pipe->parameters()) CHECK_FALSE(p.grad().defined());
+  // The copy computes what the plain model computes.
+  reference->zero_grad();
+  reference->forward(x).sum().backward();
+  check_param_grads(*copied, *reference);
+}
+
+TEST_CASE("module: clone(device) is refused with gpipe's own message", "[module]") {
+  gpipe::Pipe pipe(with_batchnorm(), PipeOptions().balance({2, 2}));
+  CHECK_THROWS_WITH(pipe->clone(torch::Device(torch::kCPU)),
+                    Contains("clone(cpu)") && Contains("clone() with no device") &&
+                        !Contains("Cloneable"));
+}
+
+namespace {
+// A layer that is a plain torch::nn::Module, not a Cloneable.
+struct PlainDoubleImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) { return 2 * x; }
+};
+TORCH_MODULE(PlainDouble);
+}  // namespace
+
+TEST_CASE("module: clone() refuses tied layers and layers that cannot be cloned, by name",
+          "[module]") {
+  auto w = torch::randn({3, 3}, torch::kFloat64).requires_grad_(true);
+  torch::nn::Sequential model{gpipe_test::SharedWeight(w), torch::nn::Tanh(),
+                              gpipe_test::SharedWeight(w)};
+  gpipe::Pipe tied(model, PipeOptions().balance({2, 1}));
+  CHECK_THROWS_WITH(tied->clone(), Contains("layers 0 and 2 share a parameter"));
+  gpipe::Pipe plain(torch::nn::Sequential(torch::nn::Linear(3, 3), PlainDouble()),
+                    PipeOptions().balance({1, 1}));
+  CHECK_THROWS_WITH(plain->clone(), Contains("layer 1 (") && Contains("cannot be cloned") &&
+                                        Contains("torch::nn::Cloneable"));
+}

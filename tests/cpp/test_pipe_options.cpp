@@ -114,22 +114,7 @@ TEST_CASE("options: bad inputs at forward name the problem", "[options]") {
   CHECK(pipe->forward(torch::randn({4, 3})).sizes() == torch::IntArrayRef({4, 2}));
 }
 
-namespace {
-
-/// x @ weight, with `weight` given: two of these share one parameter.
-class SharedWeightImpl : public torch::nn::Cloneable<SharedWeightImpl> {
- public:
-  explicit SharedWeightImpl(torch::Tensor w) : w_(std::move(w)) { reset(); }
-  void reset() override { weight = register_parameter("weight", w_); }
-  torch::Tensor forward(const torch::Tensor& x) { return x.matmul(weight); }
-  torch::Tensor weight;
-
- private:
-  torch::Tensor w_;
-};
-TORCH_MODULE(SharedWeight);
-
-}  // namespace
+using gpipe_test::SharedWeight;
 
 TEST_CASE("options: a weight shared by layers on two devices is refused before anything moves",
           "[options]") {
@@ -154,4 +139,43 @@ TEST_CASE("options: a weight shared by layers on two devices is refused before a
   w.mutable_grad().reset();
   ref->forward(x).sum().backward();
   CHECK(gpipe_test::max_abs_diff(got, w.grad()) <= gpipe_test::kTolerance);
+}
+
+TEST_CASE("options: a V placement with more devices than it uses is refused", "[options]") {
+  using namespace torch::nn;
+  auto eight = [] {
+    Sequential model;
+    for (int i = 0; i < 8; ++i) model->push_back(Linear(3, 3));
+    return model;
+  };
+  const std::vector<c10::Device> cpus(8, c10::Device(c10::kCPU));
+  // zb_v: 8 stages in a V on 4 devices; 8 were given.
+  CHECK_THROWS_WITH(
+      make(eight(), PipeOptions().balance({1, 1, 1, 1, 1, 1, 1, 1}).devices(cpus)
+                        .schedule(gpipe::Schedule::ZBV)),
+      Contains("zb_v") && Contains("4 devices") && Contains("8 devices") &&
+          Contains("16 entries"));
+  // 2 entries and 2 devices: both stages would share one device.
+  CHECK_THROWS_WITH(
+      make(eight(), PipeOptions().balance({4, 4}).devices({c10::kCPU, c10::kCPU})
+                        .schedule(gpipe::Schedule::ZBV)),
+      Contains("1 device") && Contains("2 devices"));
+  // Interleaved, virtual_stages 2: 4 entries on 2 devices, 3 given.
+  CHECK_THROWS_WITH(
+      make(eight(), PipeOptions().balance({2, 2, 2, 2}).virtual_stages(2)
+                        .devices({c10::kCPU, c10::kCPU, c10::kCPU})
+                        .schedule(gpipe::Schedule::Interleaved1F1B)),
+      Contains("2 devices") && Contains("3 devices"));
+  // Exactly the devices it uses: fine; and one stage per device keeps torchgpipe's rule (extra
+  // devices are left unused).
+  CHECK_NOTHROW(make(eight(), PipeOptions().balance({1, 1, 1, 1, 1, 1, 1, 1})
+                                  .devices(std::vector<c10::Device>(4, c10::kCPU))
+                                  .schedule(gpipe::Schedule::ZBV)));
+  CHECK(make(eight(), PipeOptions().balance({4, 4}).devices(cpus))->devices().size() == 2);
+  // A computed balance fills every device given: 8 layers over 4 devices in a V.
+  CHECK(make(eight(), PipeOptions().devices(std::vector<c10::Device>(4, c10::kCPU))
+                          .schedule(gpipe::Schedule::ZBV))->balance().size() == 8);
+  // Too few layers to fill 8 devices in a V (16 stages): refused, naming what to pass.
+  CHECK_THROWS_WITH(make(eight(), PipeOptions().devices(cpus).schedule(gpipe::Schedule::ZBV)),
+                    Contains("8 layers") && Contains("8 devices") && Contains("4 devices"));
 }
