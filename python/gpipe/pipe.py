@@ -116,6 +116,13 @@ def _parse_schedule(schedule: Any) -> Union[str, Schedule]:
     return name
 
 
+def _stages_per_device(schedule: Any, virtual_stages: int) -> str:
+    """What puts several stages on each device, for messages (the C++ core's words)."""
+    if _v_shaped(schedule):
+        return f"schedule zb_v runs {virtual_stages} stages on each device (a V)"
+    return f"virtual_stages {virtual_stages} runs {virtual_stages} stages on each device"
+
+
 def _v_shaped(schedule: Any) -> bool:
     """Whether ``schedule`` lays its stages out in ZB-V's V: 'zb_v', or a table placing them
     so (``Schedule.v_shaped``; a Schedule pickled before it existed: a loop)."""
@@ -485,7 +492,8 @@ class Pipe(nn.Module):
         balance: layers per stage, a list of ints, e.g. ``[2, 3]``. None: one
             stage per device, balanced by parameter count (see
             :mod:`gpipe.balance` for balancing by time or memory).
-        devices: one device per stage (extra ones are dropped): torch.device,
+        devices: one device per stage (extra ones are dropped; with several stages per
+            device, under ``virtual_stages`` or zb_v, extra ones are refused): torch.device,
             string (``'cuda:1'``) or CUDA index. One device, not in a list
             (``devices='cpu'``), puts every stage there. Default: all CUDA
             devices, or the CPU for every stage when there is no CUDA.
@@ -558,6 +566,9 @@ class Pipe(nn.Module):
             layer's device, and later layers elsewhere use a copy per forward
             whose grad comes home, so tied weights train as in the plain model).
         IndexError: fewer devices than stages.
+        ValueError: with several stages per device (``virtual_stages`` or zb_v), more
+            devices than the stages use, naming the count it would use and the balance
+            that uses them all.
 
     Attributes:
         balance: layers per stage, a list of ints.
@@ -655,6 +666,13 @@ class Pipe(nn.Module):
                                  "by; pass balance (layers per stage, see gpipe.balance to "
                                  "compute one) or devices (one per stage, e.g. ['cpu', 'cpu'])")
             devices = list(devices)  # type: ignore[arg-type]
+            if virtual_stages > 1 and len(module) < virtual_stages * len(devices):
+                raise ValueError(f"{_stages_per_device(schedule, virtual_stages)}, so "
+                                 f"{_count(len(devices), 'device')} need at least "
+                                 f"{virtual_stages * len(devices)} layers to balance over, but "
+                                 f"the Sequential has {_count(len(module), 'layer')}; pass "
+                                 f"{_count(max(len(module) // virtual_stages, 1), 'device')} "
+                                 f"(or a balance)")
             workers = min(len(devices), max(len(module) // virtual_stages, 1))
             balance = balance_by_params(workers * virtual_stages, module)
         balance = _parse_balance(balance)
@@ -683,6 +701,16 @@ class Pipe(nn.Module):
                              f"{_count(len(balance), 'stage')}; pass one "
                              f"device per {per}, e.g. devices={['cpu'] * workers!r}, or "
                              f"one device for every stage, e.g. devices='cpu'")
+        if virtual_stages > 1 and len(devices) > workers:
+            # Several stages per device fill every device or are refused (one stage per
+            # device keeps torchgpipe's rule: extra devices are dropped).
+            raise ValueError(f"balance {balance} has {_count(len(balance), 'stage')} and "
+                             f"{_stages_per_device(schedule, virtual_stages)}, so it uses "
+                             f"{_count(workers, 'device')}, but {_count(len(devices), 'device')} "
+                             f"are given {[str(d) for d in devices]}; pass "
+                             f"{_count(workers, 'device')} to use {workers}, or "
+                             f"{virtual_stages * len(devices)} entries ({virtual_stages} per "
+                             f"device) to use all {len(devices)}")
         devices = devices[:workers]
         _check_available(devices)
 

@@ -679,6 +679,25 @@ def test_balance_not_a_multiple_of_virtual_stages():
         gpipe.Pipe(mlp(), balance=[3, 2, 2], schedule="interleaved_1f1b", virtual_stages=2)
 
 
+def test_a_v_placement_with_more_devices_than_it_uses_is_refused():
+    """zb_v runs two stages per device: 8 entries on 8 devices would leave 4 idle (issue 44)."""
+    eight = lambda: nn.Sequential(*[nn.Linear(3, 3) for _ in range(8)])  # noqa: E731
+    with pytest.raises(ValueError, match=r"zb_v.*uses 4 devices, but 8 devices.*16 entries"):
+        gpipe.Pipe(eight(), balance=[1] * 8, devices=["cpu"] * 8, schedule="zb_v")
+    with pytest.raises(ValueError, match=r"uses 1 device, but 2 devices"):
+        gpipe.Pipe(eight(), balance=[4, 4], devices=["cpu", "cpu"], schedule="zb_v")
+    with pytest.raises(ValueError, match=r"virtual_stages 2.*uses 2 devices, but 3 devices"):
+        gpipe.Pipe(eight(), balance=[2, 2, 2, 2], devices=["cpu"] * 3,
+                   schedule="interleaved_1f1b", virtual_stages=2)
+    with pytest.raises(ValueError, match=r"8 devices need at least 16 layers.*pass 4 devices"):
+        gpipe.Pipe(eight(), devices=["cpu"] * 8, schedule="zb_v")
+    # What it uses, exactly: fine; one stage per device keeps torchgpipe's rule.
+    assert len(gpipe.Pipe(eight(), balance=[1] * 8, devices=["cpu"] * 4,
+                          schedule="zb_v").devices) == 4
+    assert len(gpipe.Pipe(eight(), balance=[4, 4], devices=["cpu"] * 8).devices) == 2
+    assert len(gpipe.Pipe(eight(), devices=["cpu"] * 4, schedule="zb_v").balance) == 8
+
+
 @pytest.mark.parametrize("name", ["zb", "1F1B", "interleaved", ""])
 def test_unknown_schedule(name):
     with pytest.raises(ValueError, match="schedule"):
