@@ -148,3 +148,24 @@ TEST_CASE("process_group: bad settings are refused, naming the value and the fix
     CHECK_THAT(error_of(gloo(0, 1, {})), Catch::Contains("$MASTER_PORT is \"70000\""));
   }
 }
+
+TEST_CASE("process_group: an NCCL group of one rank all_reduces on cuda:0",
+          "[process_group][cuda]") {
+  if (!torch::cuda::is_available()) {
+    WARN("skipped: no CUDA device");
+    return;
+  }
+  if (!gpipe::distributed::has_backend("nccl")) {
+    CHECK_THAT(error_of(gloo(0, 1, c10::make_intrusive<c10d::HashStore>()).backend("nccl")),
+               Catch::Contains("without NCCL"));
+    WARN("this gpipe was built without NCCL: only its refusal was checked");
+    return;
+  }
+  // One GPU holds one NCCL rank: a group of one, all_reduce and a barrier.
+  auto group = init_process_group(
+      gloo(0, 1, c10::make_intrusive<c10d::HashStore>()).backend("nccl").group_name("nccl1"));
+  CHECK(group->getBackendName() == "nccl");
+  std::vector<at::Tensor> sum{torch::full({4}, 2.0, torch::kCUDA)};
+  group->allreduce(sum)->wait();
+  CHECK(torch::equal(sum[0].cpu(), torch::full({4}, 2.0)));
+}
