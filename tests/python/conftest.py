@@ -47,6 +47,22 @@ def as_tuple(x: TensorOrTensors) -> Tuple[Tensor, ...]:
     return x if isinstance(x, tuple) else (x,)
 
 
+def token_ids(rows: int, vocab: int, length: int) -> Tensor:
+    """Random token ids, ``(rows, length)``, below ``vocab``: a language model's input."""
+    return torch.randint(0, vocab, (rows, length))
+
+
+def padding_mask(rows: int, length: int) -> Tensor:
+    """An attention mask with 3 to ``length`` real tokens per row (the padding at the end)."""
+    return (torch.arange(length) < torch.randint(3, length + 1, (rows, 1))).long()
+
+
+def lm_loss(out: Any, tgt: Tensor) -> Tensor:
+    """Cross entropy of a Hugging Face causal LM's ``logits`` against the next tokens."""
+    return torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]),
+                                             tgt.reshape(-1))
+
+
 def leaf_copy(x: TensorOrTensors) -> TensorOrTensors:
     """Detached copies that keep each tensor's requires_grad (a fresh leaf per run)."""
     if isinstance(x, tuple):

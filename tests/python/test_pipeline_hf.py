@@ -6,11 +6,10 @@ from typing import Any, Dict
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import gpipe
-from conftest import TOL, max_diff
+from conftest import TOL, lm_loss, max_diff, padding_mask, token_ids
 from test_pipeline import grads_equal, outputs_and_grads_equal, train_step_equals_plain, twin
 
 torch.set_num_threads(1)
@@ -46,16 +45,11 @@ def causal_lm(family: str, layers: int = 4, use_cache: bool = False) -> nn.Modul
 
 
 def ids(rows: int) -> Tensor:
-    return torch.randint(0, V, (rows, T))
+    return token_ids(rows, V, T)
 
 
 def padding(rows: int) -> Tensor:
-    """An attention mask with 3 to T real tokens per row (padding at the end)."""
-    return (torch.arange(T) < torch.randint(3, T + 1, (rows, 1))).long()
-
-
-def lm_loss(out: Any, tgt: Tensor) -> Tensor:
-    return F.cross_entropy(out.logits.reshape(-1, V), tgt.reshape(-1))
+    return padding_mask(rows, T)
 
 
 def embedding(model: nn.Module) -> nn.Parameter:

@@ -1,9 +1,8 @@
 """gpipe.pipeline on models from other libraries, built from configs (no weights): torchvision's
 ResNet-18 (tracer fx and export) and Hugging Face's GPT-2 (tracer export; fx cannot trace HF's
-mask creation; the default tracer="auto" on HF models: test_pipeline_hf.py) equal the plain model in outputs, grads, train_step and state_dict keys, and
+mask creation; the default tracer="auto" on HF models: test_pipeline_hf.py) equal the plain
+model in outputs, grads, train_step and state_dict keys, and
 GPT-2 keeps its ModelOutput type and its tied head as one parameter."""
-from typing import Any
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +10,7 @@ from torch import Tensor, nn
 
 import gpipe
 from gpipe.pipeline import PipelineError
-from conftest import TOL, max_diff
+from conftest import TOL, lm_loss, max_diff, padding_mask, token_ids
 from test_pipeline import outputs_and_grads_equal, train_step_equals_plain, twin
 
 torch.set_num_threads(1)
@@ -112,16 +111,11 @@ def gpt2() -> nn.Module:
 
 
 def ids(rows: int) -> Tensor:
-    return torch.randint(0, V, (rows, T))
+    return token_ids(rows, V, T)
 
 
 def padding(rows: int) -> Tensor:
-    """An attention mask with 3 to 8 real tokens per row."""
-    return (torch.arange(T) < torch.randint(3, T + 1, (rows, 1))).long()
-
-
-def lm_loss(out: Any, tgt: Tensor) -> Tensor:
-    return F.cross_entropy(out.logits.reshape(-1, V), tgt.reshape(-1))
+    return padding_mask(rows, T)
 
 
 @pytest.mark.parametrize("chunks,checkpoint,with_mask", [(1, "never", False),
