@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# prepare.sh — copies Debian's Catch2 (header and CMake package) into .gpu-kit/catch2/, to take along to a GPU machine.
+# prepare.sh — copies Debian's Catch2 (header and CMake package) into .gpu-kit/catch2/ and Gloo's headers into .gpu-kit/gloo/, to take along to a GPU machine.
 #
 #   bash tests/gpu/prepare.sh [DEST]      # DEST defaults to .gpu-kit/catch2
 #
@@ -78,6 +78,21 @@ if ! cmake -S "$probe" -B "$probe/build" "-DCatch2_DIR=$dest/lib/cmake/Catch2" \
   exit 1
 fi
 grep 'probe:' "$probe/log" | sed 's/^-- /prepare.sh: /'
+
+# Gloo's headers too (Debian's libgloo-dev), beside the Catch2 copy: a GPU
+# machine without apt then still builds gpipe::distributed::init_process_group
+# with Gloo (run.sh points CMake at them; CMake's own check decides whether
+# they build torch's ProcessGroupGloo there).
+gloo_dest="$(dirname "$dest")/gloo/include"
+if [[ -f /usr/include/gloo/algorithm.h ]]; then
+  rm -rf "$gloo_dest"
+  mkdir -p "$gloo_dest"
+  cp -r /usr/include/gloo "$gloo_dest/"
+  echo "prepare.sh: Gloo's headers copied to $gloo_dest ($(du -sh "$gloo_dest" | cut -f1))"
+else
+  echo "prepare.sh: no Gloo headers here (install libgloo-dev: bash scripts/setup.sh); the GPU" \
+       "machine's build will make no Gloo groups from C++ unless it has them"
+fi
 
 echo "prepare.sh: Catch2 copied to $dest ($(du -sh "$dest" | cut -f1)); copy it along with the tree"
 echo "  to the GPU machine (it is git-ignored) and run there: bash tests/gpu/run.sh"

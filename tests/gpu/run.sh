@@ -156,6 +156,13 @@ else
   tests=0
 fi
 
+# ---- Gloo's headers (for process groups made from C++) --------------------------------
+# The system's, else the copy prepare.sh made; CMake checks them against torch.
+if [[ ! -f /usr/include/gloo/algorithm.h && -f "$root/.gpu-kit/gloo/include/gloo/algorithm.h" ]]; then
+  echo "gpu kit: Gloo headers from $root/.gpu-kit/gloo/include"
+  cmake_args+=("-DGPIPE_GLOO_INCLUDE_DIR=$root/.gpu-kit/gloo/include")
+fi
+
 # ---- build ----------------------------------------------------------------------------
 generator=(-G Ninja)
 if ! command -v ninja >/dev/null 2>&1; then
