@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from gpipe.balance import _untouched, balance_cost
+from gpipe.balance import _sync, _untouched, balance_cost
 
 #: Containers whose items may begin a stage.
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -153,15 +153,10 @@ def _profiled_costs(module: nn.Module, order: List[str],
                              if isinstance(t, Tensor) and t.requires_grad]
                     if roots:
                         torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
-                    _synchronize(roots)
+                    for device in {t.device for t in roots}:
+                        _sync(device)
                     if run > 0:
                         best = min(best, time.perf_counter() - begin)
                 total += best
             costs.append(total)
     return costs
-
-
-def _synchronize(tensors: List[Tensor]) -> None:
-    """Waits for the devices the tensors are on (CUDA runs asynchronously)."""
-    for device in {t.device for t in tensors if t.device.type == "cuda"}:
-        torch.cuda.synchronize(device)
