@@ -30,10 +30,19 @@
 #include <atomic>
 #include <cstdlib>
 #include <limits>
+#include <optional>
 #include <string>
 
 namespace gpipe::distributed {
 namespace {
+
+/// `text` as a whole decimal integer, or nothing.
+std::optional<long long> integer(const char* text) {
+  char* end = nullptr;
+  const long long value = std::strtoll(text, &end, 10);
+  if (end == text || *end != '\0') return std::nullopt;
+  return value;
+}
 
 /// `$name` as an integer, or `given` where that is not -1.
 int64_t from_env(int64_t given, const char* name, const char* field) {
@@ -42,11 +51,10 @@ int64_t from_env(int64_t given, const char* name, const char* field) {
   GPIPE_CHECK_VALUE(text != nullptr && *text != '\0', "init_process_group: ", field,
                     " is -1 (read $", name, ") but $", name, " is not set; pass ProcessGroupOptions()."
                     , field, "(...) or launch with torchrun, which sets it");
-  char* end = nullptr;
-  const long long value = std::strtoll(text, &end, 10);
-  GPIPE_CHECK_VALUE(end != text && *end == '\0', "init_process_group: $", name, " is \"", text,
+  const auto value = integer(text);
+  GPIPE_CHECK_VALUE(value.has_value(), "init_process_group: $", name, " is \"", text,
                     "\", not an integer; set it to this process's ", field);
-  return value;
+  return *value;
 }
 
 /// torchrun's rendezvous as Python's env:// makes it: a TCPStore at
@@ -60,15 +68,13 @@ c10::intrusive_ptr<c10d::Store> env_store(int64_t rank, int64_t world_size,
                     "set (MASTER_ADDR=", addr ? addr : "<unset>", ", MASTER_PORT=",
                     port ? port : "<unset>", "); pass ProcessGroupOptions().store(...) (e.g. a "
                     "c10d::TCPStore or FileStore) or launch with torchrun, which sets them");
-  char* end = nullptr;
-  const long long number = std::strtoll(port, &end, 10);
-  GPIPE_CHECK_VALUE(end != port && *end == '\0' && number > 0 &&
-                        number <= std::numeric_limits<uint16_t>::max(),
+  const auto number = integer(port);
+  GPIPE_CHECK_VALUE(number && *number > 0 && *number <= std::numeric_limits<uint16_t>::max(),
                     "init_process_group: $MASTER_PORT is \"", port,
                     "\", not a port number (1 to 65535)");
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   c10d::TCPStoreOptions options;
-  options.port = static_cast<uint16_t>(number);
+  options.port = static_cast<uint16_t>(*number);
   options.isServer = rank == 0 && !(agent != nullptr && std::string(agent) == "True");
   options.numWorkers = static_cast<size_t>(world_size);
   options.timeout = timeout;
