@@ -22,6 +22,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -403,6 +404,30 @@ class TiedImpl : public torch::nn::Cloneable<TiedImpl> {
   torch::Tensor w_;
 };
 TORCH_MODULE(Tied);
+
+/// Sets an environment variable (or unsets it, for nullptr) for the scope,
+/// then puts back what was there.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    set(value);
+  }
+  ~ScopedEnv() { set(old_ ? old_->c_str() : nullptr); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  void set(const char* value) {
+    if (value) {
+      setenv(name_, value, 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  const char* name_;
+  std::optional<std::string> old_;
+};
 
 /// x @ weight, with `weight` given: two of these share one parameter (tied weights).
 class SharedWeightImpl : public torch::nn::Cloneable<SharedWeightImpl> {

@@ -1,4 +1,6 @@
 // test_process_group.cpp — gpipe::distributed::init_process_group: real Gloo groups (ranks as threads on one store), settings from the environment, and the refusals.
+#include "models.h"
+
 #include <gpipe/process_group.h>
 
 #include <catch2/catch.hpp>
@@ -8,7 +10,6 @@
 
 #include <cstdlib>
 #include <future>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,32 +17,7 @@ namespace {
 
 using gpipe::distributed::init_process_group;
 using gpipe::distributed::ProcessGroupOptions;
-
-/// Sets an environment variable for the scope, then puts back what was there.
-class EnvVar {
- public:
-  EnvVar(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value) {
-      setenv(name, value, 1);
-    } else {
-      unsetenv(name);
-    }
-  }
-  ~EnvVar() {
-    if (old_) {
-      setenv(name_, old_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  EnvVar(const EnvVar&) = delete;
-  EnvVar& operator=(const EnvVar&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using gpipe_test::ScopedEnv;
 
 std::string error_of(const ProcessGroupOptions& options) {
   try {
@@ -108,8 +84,8 @@ TEST_CASE("process_group: unnamed groups are numbered per process", "[process_gr
 
 TEST_CASE("process_group: rank and world size from the environment", "[process_group]") {
   if (!gpipe::distributed::has_backend("gloo")) return;  // the refusal: the case above
-  EnvVar rank("RANK", "0");
-  EnvVar world("WORLD_SIZE", "1");
+  ScopedEnv rank("RANK", "0");
+  ScopedEnv world("WORLD_SIZE", "1");
   auto group = init_process_group(
       ProcessGroupOptions().store(c10::make_intrusive<c10d::HashStore>()));
   CHECK(group->getRank() == 0);
@@ -129,22 +105,22 @@ TEST_CASE("process_group: bad settings are refused, naming the value and the fix
   CHECK_THAT(error_of(gloo(0, 1, store).timeout(std::chrono::milliseconds(0))),
              Catch::Contains("timeout is 0 ms"));
   {
-    EnvVar rank("RANK", nullptr);
+    ScopedEnv rank("RANK", nullptr);
     CHECK_THAT(error_of(gloo(-1, 1, store)),
                Catch::Contains("$RANK is not set") && Catch::Contains("torchrun"));
   }
   {
-    EnvVar rank("RANK", "one");
+    ScopedEnv rank("RANK", "one");
     CHECK_THAT(error_of(gloo(-1, 1, store)), Catch::Contains("$RANK is \"one\", not an integer"));
   }
   {
-    EnvVar addr("MASTER_ADDR", nullptr);
+    ScopedEnv addr("MASTER_ADDR", nullptr);
     CHECK_THAT(error_of(gloo(0, 1, {})),
                Catch::Contains("MASTER_ADDR=<unset>") && Catch::Contains(".store("));
   }
   {
-    EnvVar addr("MASTER_ADDR", "127.0.0.1");
-    EnvVar port("MASTER_PORT", "70000");
+    ScopedEnv addr("MASTER_ADDR", "127.0.0.1");
+    ScopedEnv port("MASTER_PORT", "70000");
     CHECK_THAT(error_of(gloo(0, 1, {})), Catch::Contains("$MASTER_PORT is \"70000\""));
   }
 }

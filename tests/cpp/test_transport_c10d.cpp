@@ -399,11 +399,9 @@ TEST_CASE("transport_c10d: a failed send is kept and reported by finish, naming 
 TEST_CASE("transport_c10d: a send that fails on the sender stops the step at once, both ranks "
           "name rank 0",
           "[transport]") {
-  const char* outer = std::getenv("GPIPE_ASYNC_SENDS");
-  const std::string before = outer != nullptr ? outer : "";
   for (const bool async : {true, false}) {
     INFO((async ? "sends on the sender thread" : "GPIPE_ASYNC_SENDS=0"));
-    setenv("GPIPE_ASYNC_SENDS", async ? "1" : "0", 1);
+    gpipe_test::ScopedEnv sends("GPIPE_ASYNC_SENDS", async ? "1" : "0");
     const auto groups = gpipe_test::make_fake_groups(2, FakeMatching::ByTag,
                                                      std::chrono::seconds(5));
     const auto start = Clock::now();
@@ -432,11 +430,6 @@ TEST_CASE("transport_c10d: a send that fails on the sender stops the step at onc
         TORCH_CHECK(!x, "rank 1 got activations that were never sent");
       }
     });
-    if (outer != nullptr) {
-      setenv("GPIPE_ASYNC_SENDS", before.c_str(), 1);
-    } else {
-      unsetenv("GPIPE_ASYNC_SENDS");
-    }
     CHECK(Clock::now() - start < std::chrono::seconds(5));
     CHECK_THAT(errors[0], Catch::Contains("meta"));
     if (async) {
@@ -446,15 +439,10 @@ TEST_CASE("transport_c10d: a send that fails on the sender stops the step at onc
     CHECK_THAT(errors[1], Catch::Contains("rank 0 failed"));
   }
   // Another value is refused by name, before any thread of the transport starts.
-  setenv("GPIPE_ASYNC_SENDS", "2", 1);
+  gpipe_test::ScopedEnv sends("GPIPE_ASYNC_SENDS", "2");
   const auto groups = gpipe_test::make_fake_groups(2, FakeMatching::ByTag);
   CHECK_THROWS_WITH(ProcessGroupTransport(groups[0], nullptr, 2),
                     Catch::Contains("GPIPE_ASYNC_SENDS is '2'; set it to 1"));
-  if (outer != nullptr) {
-    setenv("GPIPE_ASYNC_SENDS", before.c_str(), 1);
-  } else {
-    unsetenv("GPIPE_ASYNC_SENDS");
-  }
 }
 
 // ---- NCCL's works: abort tears the communicator down, wait does not block ----
